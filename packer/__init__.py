@@ -1,0 +1,1 @@
+"""ggml_expert_pack.packer"""
