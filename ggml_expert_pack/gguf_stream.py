@@ -1,6 +1,6 @@
 """A streaming GGUF (v3) writer: metadata first, then tensor data fed chunk by chunk, so that models of tens
 of GB are written without holding them in memory. Used by the synthetic-model generator and by the packer
-(trunk GGUF). Also reads KV metadata out of existing GGUFs (via the vendored gguf-py reader).
+(trunk GGUF). gguf_file.py reads headers back.
 
 GGUF layout (little endian): magic "GGUF", u32 version, u64 n_tensors, u64 n_kv, the KVs, the tensor infos
 (name, n_dims, ne[], type, offset from the data section), zero padding to `general.alignment` (default 32),
@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, BinaryIO, Iterable, Sequence
 
 import numpy as np
-from gguf import GGUFReader, GGUFValueType
+from gguf import GGUFValueType
 
 from .ggml_types import GGMLQuantizationType, nbytes
 
@@ -60,6 +60,9 @@ def _pack_str(s: str | bytes) -> bytes:
 
 
 def _pack_kv(kv: KV) -> bytes:
+    raw = getattr(kv, "raw", None)  # gguf_file.RawKV: copied verbatim
+    if raw is not None:
+        return raw
     out = [_pack_str(kv.key), struct.pack("<I", int(kv.type))]
     if kv.type == GGUFValueType.STRING:
         out.append(_pack_str(kv.value))
@@ -92,6 +95,7 @@ def align_up(n: int, a: int) -> int:
 
 
 class GGUFStreamWriter:
+    # kvs: KV (encoded here) or gguf_file.RawKV (copied verbatim)
     """Write one GGUF file: `begin()` writes everything up to the data section, then `write_tensor_data()`
     must be called once per tensor, in the order given, with chunks summing to the tensor's size."""
 
@@ -153,30 +157,6 @@ class GGUFStreamWriter:
     def end(self) -> None:
         if self._next != len(self.tensors):
             raise RuntimeError(f"{self.path}: {self._next} of {len(self.tensors)} tensors written")
-
-
-# --------------------------------------------------------------------------------------------------------
-# reading KVs back (to copy a tokenizer, or all metadata into a trunk)
-
-def read_kvs(reader: GGUFReader, skip_prefixes: tuple[str, ...] = ("GGUF.",)) -> list[KV]:
-    out = []
-    for key, field in reader.fields.items():
-        if key.startswith(skip_prefixes):
-            continue
-        vtype = field.types[0]
-        if vtype == GGUFValueType.ARRAY:
-            elem = field.types[1] if len(field.types) > 1 else GGUFValueType.UINT8
-            if elem == GGUFValueType.STRING:
-                vals = [bytes(field.parts[i]) for i in field.data]
-            else:
-                vals = [field.parts[i][0] for i in field.data] if field.data else []
-                vals = np.asarray(vals, dtype=_NP_DTYPE[elem]) if vals else []
-            out.append(KV(key, vtype, vals, elem))
-        elif vtype == GGUFValueType.STRING:
-            out.append(KV(key, vtype, bytes(field.parts[field.data[0]])))
-        else:
-            out.append(KV(key, vtype, field.parts[field.data[0]][0].item()))
-    return out
 
 
 def split_path(prefix: str | Path, i: int, n: int) -> Path:
