@@ -68,3 +68,24 @@ def validate(qtype: GGMLQuantizationType, data: np.ndarray) -> bool:
     """ggml's own check: no NaN/Inf in scales or values."""
     data = np.ascontiguousarray(data)
     return bool(_lib().ggml_validate_row_data(int(qtype), data.ctypes.data, data.nbytes))
+
+
+GGML_BACKEND_DEVICE_TYPE_GPU = 1
+
+
+def gpu_devices() -> list[str]:
+    """Names of the GPU devices the installed ggml can use (empty on a CPU build or without a GPU)."""
+    lib = ctypes.CDLL(str(lib_dir() / "libggml.so"))
+    lib.ggml_backend_dev_count.restype = ctypes.c_size_t
+    lib.ggml_backend_dev_get.restype = ctypes.c_void_p
+    lib.ggml_backend_dev_get.argtypes = [ctypes.c_size_t]
+    lib.ggml_backend_dev_type.restype = ctypes.c_int
+    lib.ggml_backend_dev_type.argtypes = [ctypes.c_void_p]
+    lib.ggml_backend_dev_name.restype = ctypes.c_char_p
+    lib.ggml_backend_dev_name.argtypes = [ctypes.c_void_p]
+    out = []
+    for i in range(lib.ggml_backend_dev_count()):
+        dev = lib.ggml_backend_dev_get(i)
+        if lib.ggml_backend_dev_type(dev) == GGML_BACKEND_DEVICE_TYPE_GPU:
+            out.append(lib.ggml_backend_dev_name(dev).decode())
+    return out

@@ -240,9 +240,9 @@ def ensure_tree(tree: Path | None = None, offline: bool = False) -> Path:
 
 # What a build needs; everything else (docs, most vocab files, other backends' sources, the web UI) stays out.
 PRUNE_EXCLUDE_DIRS = {
-    "docs", "docker", "examples", "scripts", "tests",  # sdist top level (tests are llama-cpp-python's)
+    ".git", "docs", "docker", "examples", "scripts", "tests",  # sdist top level (tests are llama-cpp-python's)
     "vendor/llama.cpp/docs", "vendor/llama.cpp/media", "vendor/llama.cpp/benches", "vendor/llama.cpp/app",
-    "vendor/llama.cpp/tools/ui", "vendor/llama.cpp/tools/mtmd", "vendor/llama.cpp/vendor/miniaudio",
+    "vendor/llama.cpp/tools/ui", "vendor/llama.cpp/tools/mtmd",
     "vendor/llama.cpp/ggml/src/ggml-sycl", "vendor/llama.cpp/ggml/src/ggml-vulkan",
     "vendor/llama.cpp/ggml/src/ggml-opencl", "vendor/llama.cpp/ggml/src/ggml-hexagon",
     "vendor/llama.cpp/ggml/src/ggml-metal", "vendor/llama.cpp/ggml/src/ggml-cann",

@@ -16,7 +16,8 @@ EXPERT_ROLES = ("gate", "up", "down")
 class RoutingConfig:
     """How realistic the router's choices are (DESIGN.md §6 gives the bands real models show).
 
-    zipf        target Zipf exponent of expert popularity within a layer (0 = uniform)
+    zipf        strength of expert popularity within a layer (0 = none; the Zipf exponent measured on top
+                of a random router's own unevenness is higher, see docs/SYNTH.md)
     context     weight of the recent-token context in the router input (consecutive tokens share experts)
     window      width, in tokens, of that context (attention with a recency kernel; qwen3moe only)
     layer_corr  correlation between consecutive layers' routers (0..1)
@@ -24,16 +25,17 @@ class RoutingConfig:
                 means the next layer's experts are easier to predict from the current hidden state
     """
     preset: str = "realistic"
-    zipf: float = 0.65
-    context: float = 1.0
-    window: float = 4.0
+    zipf: float = 0.35
+    context: float = 2.6
+    window: float = 2.0
     layer_corr: float = 0.3
     drift: float = 0.35
 
+    # calibrated with `expert-pack routing-stats` on the "routing" shape (docs/SYNTH.md)
     PRESETS = {
-        "uniform":   dict(zipf=0.0,  context=0.0, window=4.0, layer_corr=0.0, drift=0.35),
-        "realistic": dict(zipf=0.65, context=1.0, window=4.0, layer_corr=0.3, drift=0.35),
-        "skewed":    dict(zipf=1.2,  context=1.6, window=6.0, layer_corr=0.6, drift=0.25),
+        "uniform":   dict(zipf=0.0, context=0.0, window=2.0, layer_corr=0.0, drift=0.35),
+        "realistic": dict(zipf=0.35, context=2.6, window=2.0, layer_corr=0.3, drift=0.35),
+        "skewed":    dict(zipf=1.0, context=3.0, window=3.0, layer_corr=0.5, drift=0.35),
     }
 
     @classmethod

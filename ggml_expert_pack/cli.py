@@ -1,0 +1,200 @@
+"""The `expert-pack` command."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from . import __version__
+
+
+def _kv_list(text: str) -> dict[str, str]:
+    """'gate=q4_k,down=q6_k' -> {'gate': 'q4_k', 'down': 'q6_k'}"""
+    out = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        if "=" not in part:
+            raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {part!r}")
+        k, v = part.split("=", 1)
+        out[k.strip()] = v.strip()
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# synth
+
+SYNTH_FIELDS = {  # CLI flag -> SynthConfig field
+    "layers": "n_layer", "embd": "n_embd", "heads": "n_head", "heads_kv": "n_head_kv", "head_dim": "head_dim",
+    "experts": "n_expert", "experts_used": "n_expert_used", "ff_exp": "n_ff_exp", "ff": "n_ff",
+    "dense_lead": "n_dense_lead", "shared_experts": "n_expert_shared", "hash_layers": "n_hash_layers",
+    "mtp_layers": "n_mtp_layers", "expert_latent": "n_expert_latent", "ctx": "n_ctx_train",
+    "expert_type": "expert_type", "weight_type": "weight_type", "embd_type": "embd_type", "seed": "seed",
+    "vocab": "vocab", "name": "name",
+}
+
+
+def synth_config_from_args(args):
+    from .synth import SHAPES, RoutingConfig, SynthConfig
+    base: dict = {}
+    if args.config:
+        base.update(json.loads(Path(args.config).read_text()))
+    if args.shape:
+        base = {**SHAPES[args.shape], **base}
+    if args.arch:
+        base["arch"] = args.arch
+    for flag, fld in SYNTH_FIELDS.items():
+        v = getattr(args, flag)
+        if v is not None:
+            base[fld] = v
+    if args.expert_types:
+        base["expert_types"] = args.expert_types
+    if args.layer_types:
+        base["layer_expert_types"] = args.layer_types
+    routing = base.pop("routing", {}) or {}
+    preset = args.routing or routing.get("preset", "realistic")
+    overrides = {k: getattr(args, k) for k in ("zipf", "context", "window", "layer_corr", "drift")}
+    routing = {k: v for k, v in routing.items() if k != "preset"}
+    routing.update({k: v for k, v in overrides.items() if v is not None})
+    base["routing"] = RoutingConfig.from_preset(preset, **routing)
+    return SynthConfig.from_dict(base)
+
+
+def cmd_synth(args) -> int:
+    from .synth import generate
+    cfg = synth_config_from_args(args)
+    if args.print_config:
+        print(cfg.to_json())
+        return 0
+    paths = generate(cfg, args.out, shards=args.shards, progress=None if not args.quiet else False,
+                     log=lambda m: print(m, file=sys.stderr))
+    print(paths[0])
+    return 0
+
+
+def add_synth(sub) -> None:
+    from .synth import ARCHS, SHAPES, RoutingConfig
+    p = sub.add_parser("synth", help="write a synthetic MoE model (random weights, realistic routing) as GGUF",
+                       description="Write a random-weight MoE model in a real llama.cpp architecture, with a real "
+                       "tokenizer and configurable routing realism. Flags override --shape, which overrides --config.")
+    p.add_argument("out", help="output .gguf (with --shards N: OUT-00001-of-0000N.gguf ...)")
+    p.add_argument("--arch", choices=ARCHS, help="architecture (default qwen3moe)")
+    p.add_argument("--shape", choices=sorted(SHAPES), help="a named shape (tiny, routing, 30b-a3b)")
+    p.add_argument("--config", help="JSON file with SynthConfig fields")
+    g = p.add_argument_group("shape")
+    for flag, help_ in [("layers", "transformer blocks"), ("embd", "hidden size"), ("heads", "attention heads"),
+                        ("heads_kv", "KV heads"), ("head_dim", "head size"), ("experts", "routed experts per layer"),
+                        ("experts_used", "experts per token (top-k)"), ("ff_exp", "expert FFN width"),
+                        ("ff", "dense FFN width"), ("dense_lead", "kimi-k3: leading dense layers"),
+                        ("shared_experts", "deepseek4/kimi-k3: shared experts"),
+                        ("hash_layers", "deepseek4: hash-routed first layers"),
+                        ("mtp_layers", "deepseek4: MTP layers"), ("expert_latent", "kimi-k3: latent expert width"),
+                        ("ctx", "training context length")]:
+        g.add_argument("--" + flag.replace("_", "-"), dest=flag, type=int, help=help_)
+    t = p.add_argument_group("tensor types (ggml names: f16, bf16, q8_0, q4_k, q2_k, q3_k, q6_k, mxfp4, ...)")
+    t.add_argument("--expert-type", help="routed experts (default q4_k)")
+    t.add_argument("--expert-types", type=_kv_list, help="per role, e.g. gate=q4_k,up=q4_k,down=q6_k")
+    t.add_argument("--layer-types", type=_kv_list, help="per layer, e.g. 0=q8_0,1=q2_k")
+    t.add_argument("--weight-type", help="attention, shared experts, dense FFN (default f16)")
+    t.add_argument("--embd-type", help="token embedding and output (default q8_0)")
+    r = p.add_argument_group("routing realism (docs/SYNTH.md)")
+    r.add_argument("--routing", choices=sorted(RoutingConfig.PRESETS), help="preset (default realistic)")
+    for k in ("zipf", "context", "window", "layer_corr", "drift"):
+        r.add_argument("--" + k.replace("_", "-"), dest=k, type=float)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--vocab", help="vocab GGUF to take the tokenizer from (default: packaged qwen2)")
+    p.add_argument("--name", help="general.name")
+    p.add_argument("--shards", type=int, default=1, help="write llama.cpp split shards")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--print-config", action="store_true", help="print the resolved config as JSON and exit")
+    p.set_defaults(func=cmd_synth)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# routing-stats
+
+def cmd_routing_stats(args) -> int:
+    from . import routing
+    prompts = None
+    if args.prompts:
+        prompts = [p for p in Path(args.prompts).read_text().split("\n\n") if p.strip()]
+    trace = routing.capture(args.model, prompts or routing.PROMPTS, router_inputs=True, n_threads=args.threads)
+    if args.save_trace:
+        trace.save(args.save_trace)
+    routers, select = routing.router_selector(args.model, trace.layers)
+    stats = routing.stats.compute(trace, routers, select)
+    if args.json:
+        print(json.dumps(stats, indent=2))
+    else:
+        n_tok = sum(e.shape[0] for e in trace.experts)
+        print(f"{args.model}: {len(trace.layers)} MoE layers, {trace.n_expert} experts, "
+              f"top-{trace.experts[0].shape[2]}, {n_tok} tokens from {len(trace.experts)} prompts")
+        print(routing.stats.table(stats))
+    return 0
+
+
+def add_routing_stats(sub) -> None:
+    p = sub.add_parser("routing-stats", help="measure a model's routing against the bands of real MoE models",
+                       description="Teacher-force a fixed prompt set through the model (stock llama.cpp), record "
+                       "the experts chosen per token and layer, and print the statistics of DESIGN.md §6.")
+    p.add_argument("model", help="GGUF model (first shard of a split model)")
+    p.add_argument("--prompts", help="text file, prompts separated by blank lines (default: built-in set)")
+    p.add_argument("--threads", type=int, default=0, help="CPU threads (default: llama.cpp's)")
+    p.add_argument("--save-trace", help="save the routing trace (.npz) for the policy simulator")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_routing_stats)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# demo
+
+def cmd_demo(args) -> int:
+    from .synth import SHAPES, SynthConfig, generate
+    model = Path(args.dir) / "demo-qwen3moe.gguf"
+    if not model.exists():
+        print(f"generating a small qwen3moe model in {model} ...", file=sys.stderr)
+        generate(SynthConfig(arch="qwen3moe", **SHAPES["tiny"]), model, log=lambda m: print(m, file=sys.stderr))
+    from llama_cpp import Llama
+    llm = Llama(model_path=str(model), n_ctx=512, verbose=False, seed=0)
+    t0 = time.time()
+    out = llm(args.prompt, max_tokens=args.tokens, temperature=0)
+    dt = time.time() - t0
+    n = out["usage"]["completion_tokens"]
+    print(f"prompt: {args.prompt!r}\ncompletion ({n} tokens, {n / dt:.1f} tok/s; random weights, so gibberish): "
+          f"{out['choices'][0]['text']!r}")
+    return 0
+
+
+def add_demo(sub) -> None:
+    p = sub.add_parser("demo", help="generate a small model (once) and run it")
+    p.add_argument("--dir", default="models", help="where the demo model lives (default ./models)")
+    p.add_argument("--prompt", default="The capital of France is")
+    p.add_argument("--tokens", type=int, default=32)
+    p.set_defaults(func=cmd_demo)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="expert-pack", description="Run MoE models larger than GPU memory by "
+                                 "streaming routed experts from an SSD expert pack.")
+    ap.add_argument("--version", action="version", version=f"expert-pack {__version__}")
+    sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    add_demo(sub)
+    add_synth(sub)
+    add_routing_stats(sub)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
+        print(f"expert-pack {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,47 @@
+"""Shared fixtures: small synthetic models generated once per test session (seconds each)."""
+from __future__ import annotations
+
+import pytest
+
+from ggml_expert_pack.synth import SHAPES, SynthConfig, generate
+
+# The smallest models that still exercise each arch's features.
+TINY = {
+    "qwen3moe": dict(arch="qwen3moe", **SHAPES["tiny"]),
+    "deepseek4": dict(arch="deepseek4", **{**SHAPES["tiny"], "n_head": 4, "head_dim": 64,
+                                            "n_hash_layers": 1, "n_mtp_layers": 1}),
+    "kimi-k3": dict(arch="kimi-k3", **{**SHAPES["tiny"], "n_dense_lead": 1, "n_expert_latent": 256}),
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    gpu_items = [it for it in items if "gpu" in it.keywords]
+    if not gpu_items:
+        return
+    from ggml_expert_pack.libggml import gpu_devices
+    if gpu_devices():
+        return
+    skip = pytest.mark.skip(reason="no CUDA device (or a CPU-only build)")
+    for it in gpu_items:
+        it.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("models")
+
+
+@pytest.fixture(scope="session")
+def synth_model(model_dir):
+    """synth_model(name, **overrides) -> path of a generated model, generated once per distinct request."""
+    cache: dict = {}
+
+    def make(name: str, shards: int = 1, **overrides):
+        key = (name, shards, tuple(sorted((k, repr(v)) for k, v in overrides.items())))
+        if key not in cache:
+            cfg = SynthConfig.from_dict({**TINY[name], **overrides})
+            out = model_dir / f"{name}-{len(cache)}.gguf"
+            cache[key] = generate(cfg, out, shards=shards, progress=False)[0]
+        return cache[key]
+
+    return make
