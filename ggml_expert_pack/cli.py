@@ -146,6 +146,66 @@ def add_routing_stats(sub) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------
+# build / verify / inspect
+
+def cmd_build(args) -> int:
+    from .packer import build
+    res = build(args.model, args.out, force=args.force, progress=False if args.quiet else None,
+                log=lambda m: print(m, file=sys.stderr))
+    print(res.pack_dir)
+    return 0
+
+
+def add_build(sub) -> None:
+    p = sub.add_parser("build", help="pack a GGUF model: expert pack + manifest + trunk GGUF",
+                       description="Rewrite every routed expert of MODEL as one contiguous 4096-aligned block in "
+                       "DIR/experts.pack, describe them in DIR/manifest.json, and write everything else to "
+                       "DIR/trunk.gguf. Afterwards the original GGUF is no longer needed. docs/FORMAT.md.")
+    p.add_argument("model", help="GGUF model, or the first shard (NAME-00001-of-0000N.gguf) of a split one")
+    p.add_argument("-o", "--out", required=True, help="output directory")
+    p.add_argument("--force", action="store_true", help="replace an existing pack in the output directory")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_build)
+
+
+def cmd_verify(args) -> int:
+    from .packer import verify
+    from .packer.verify import VerifyError
+    try:
+        rep = verify(args.pack, quick=args.quick, progress=False if args.quiet else None)
+    except VerifyError as e:
+        print(f"{args.pack}: FAILED: {e}", file=sys.stderr)
+        return 1
+    what = "structure and identities" if args.quick else f"{rep.blocks_checked} blocks and the trunk"
+    print(f"{args.pack}: OK ({rep.n_layers} layers x {rep.n_experts} experts; checked {what}; pack {rep.pack_id})")
+    return 0
+
+
+def add_verify(sub) -> None:
+    p = sub.add_parser("verify", help="check a pack: structure, alignment, every checksum, the trio belongs together",
+                       description="Exit 0 if DIR is a complete, intact expert pack; otherwise exit 1 naming the "
+                       "first problem (e.g. the first bad block).")
+    p.add_argument("pack", help="pack directory")
+    p.add_argument("--quick", action="store_true", help="structure and identities only, no data read")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_verify)
+
+
+def cmd_inspect(args) -> int:
+    from .packer.inspect import render, summary
+    s = summary(args.pack)
+    print(json.dumps(s, indent=2) if args.json else render(s))
+    return 0
+
+
+def add_inspect(sub) -> None:
+    p = sub.add_parser("inspect", help="show what a pack holds: layers, experts, types, sizes, source, hashes")
+    p.add_argument("pack", help="pack directory")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_inspect)
+
+
+# ---------------------------------------------------------------------------------------------------------
 # demo
 
 def cmd_demo(args) -> int:
@@ -179,6 +239,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--version", action="version", version=f"expert-pack {__version__}")
     sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add_demo(sub)
+    add_build(sub)
+    add_verify(sub)
+    add_inspect(sub)
     add_synth(sub)
     add_routing_stats(sub)
     return ap
@@ -188,8 +251,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError, RuntimeError) as e:
-        print(f"expert-pack {args.command}: error: {e}", file=sys.stderr)
+    except (ValueError, FileNotFoundError, RuntimeError, OSError) as e:
+        msg = str(e) if not isinstance(e, OSError) or e.filename is None else f"{e.filename}: {e.strerror}"
+        print(f"expert-pack {args.command}: error: {msg}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

@@ -6,7 +6,7 @@
 # On the GPU machine (no registry; Python 3.12; run from the repository root, .bundle carried along):
 #   scripts/gpu.sh build OUT              offline CUDA build (sm_90a) + install into $EP_SITE
 #   scripts/gpu.sh test OUT               the test suite, GPU tests included
-#   scripts/gpu.sh bench OUT [ARGS...]    the quick benchmark stage (scripts/bench_gpu.py)
+#   scripts/gpu.sh bench OUT NAME [ARGS]  a benchmark: python scripts/bench_NAME.py --out OUT ARGS
 #   scripts/gpu.sh all OUT                build, then test
 #   scripts/gpu.sh start STAGE OUT        run STAGE detached (setsid); it outlives the command
 #   scripts/gpu.sh wait OUT [SECONDS]     wait for detached stages, then copy their logs into OUT
@@ -87,14 +87,14 @@ do_test() {
 
 do_bench() {
   env_site
-  $PY scripts/bench_gpu.py --out "$1" "${@:2}"
+  $PY "scripts/bench_$2.py" --out "$1" "${@:3}"
 }
 
 case "${1:-}" in
   bundle) do_bundle ;;
   build)  timed "$2" build do_build ;;
   test)   out=$2; shift 2; timed "$out" test do_test "$out" "$@" ;;
-  bench)  out=$2; shift 2; timed "$out" bench do_bench "$out" "$@" ;;
+  bench)  out=$2; name=$3; shift 3; timed "$out" "bench-$name" do_bench "$out" "$name" "$@" ;;
   all)    timed "$2" build do_build && timed "$2" test do_test "$2" ;;
   start)
     stage=$2; mkdir -p "$EP_STATE/$stage"; rm -f "$EP_STATE/$stage/done"

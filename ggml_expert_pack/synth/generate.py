@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import functools
 import os
-import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
+
 from ..gguf_file import RawKV, read_header
 from ..gguf_stream import KV, GGUFStreamWriter, TensorInfo, fsync_path, kv_i32, kv_u16, split_path
+from ..progress import Progress
 from .archs import ARCH_KVS, ARCH_TENSORS, TensorSpec
 from .config import SynthConfig
 from .weights import WeightFactory
@@ -69,29 +69,6 @@ def _split(specs: list[TensorSpec], n: int) -> list[list[TensorSpec]]:
         cuts.append(min(max(c, cuts[-1] + 1), len(specs) - (n - j)))  # every shard gets >= 1 tensor
     cuts.append(len(specs))
     return [specs[cuts[j]:cuts[j + 1]] for j in range(n)]
-
-
-class Progress:
-    """A byte progress bar on a terminal (tqdm), a line every few seconds otherwise."""
-
-    def __init__(self, total: int, desc: str, enabled: bool | None = None):
-        self.total, self.desc, self.done, self.t0, self.last = total, desc, 0, time.time(), 0.0
-        self.enabled = sys.stderr.isatty() if enabled is None else enabled
-        self.bar = None
-        if self.enabled:
-            from tqdm import tqdm
-            self.bar = tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr)
-
-    def update(self, n: int) -> None:
-        self.done += n
-        if self.bar is not None:
-            self.bar.update(n)
-
-    def close(self) -> float:
-        dt = max(time.time() - self.t0, 1e-9)
-        if self.bar is not None:
-            self.bar.close()
-        return self.done / dt
 
 
 def generate(cfg: SynthConfig, out: str | Path, shards: int = 1, progress: bool | None = None,

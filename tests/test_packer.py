@@ -1,0 +1,339 @@
+"""Packer: byte-exact round trips, layout rules, the trunk, corruption detection and bad input (issue 3)."""
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as T
+
+from ggml_expert_pack.cli import main as cli
+from ggml_expert_pack.gguf_file import read_header
+from ggml_expert_pack.gguf_stream import GGUFStreamWriter, TensorInfo, kv_str, kv_u32
+from ggml_expert_pack.packer import BuildError, SourceError, VerifyError, build, open_source, verify
+from ggml_expert_pack.packer.format import (ALIGNMENT, HEADER_SIZE, MANIFEST_FILE, PACK_FILE, TRUNK_FILE,
+                                            layers_from_manifest, load_manifest)
+from ggml_expert_pack.pybind import xxh3_128
+
+MIXED = dict(expert_type="q4_k", layer_expert_types={"1": "f16", "2": "q2_k"})
+CASES = {
+    "qwen3moe": ("qwen3moe", 1, {}),
+    "deepseek4": ("deepseek4", 1, {}),
+    "kimi-k3": ("kimi-k3", 1, {}),
+    "qwen3moe-mixed-types": ("qwen3moe", 1, MIXED),
+    "qwen3moe-role-types": ("qwen3moe", 1, dict(expert_types={"gate": "q8_0", "up": "q3_k", "down": "mxfp4"})),
+    "qwen3moe-3-shards": ("qwen3moe", 3, {}),
+}
+
+
+@pytest.fixture(scope="module")
+def packs(synth_model, tmp_path_factory):
+    """case -> (source path, pack dir), built once per module."""
+    root = tmp_path_factory.mktemp("packs")
+    out = {}
+
+    def get(case):
+        if case not in out:
+            arch, shards, over = CASES[case]
+            src = synth_model(arch, shards=shards, **over)
+            out[case] = (src, build(src, root / case).pack_dir)
+        return out[case]
+    return get
+
+
+def _source_bytes(src_path: Path, tensor_name: str) -> tuple[bytes, tuple, object]:
+    s = open_source(src_path)
+    t = next(t for t in s.tensors if t.name == tensor_name)
+    with open(s.paths[t.shard], "rb") as f:
+        f.seek(t.entry.offset)
+        return f.read(t.entry.nbytes), t.entry.shape, t.entry.type
+
+
+def test_xxh3_known_vectors():
+    assert xxh3_128(b"").hex() == "99aa06d3014798d86001c324468d497f"
+    assert xxh3_128(b"abc").hex() == "06b05ab6733a618578af5f94892f3950"
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_roundtrip_byte_for_byte(packs, case):
+    src, pack = packs(case)
+    m = load_manifest(pack)
+    layers = layers_from_manifest(m)
+    raw = (pack / PACK_FILE).read_bytes()
+    assert len(raw) == m["pack"]["size"]
+    source = open_source(src)
+    assert [l.layer for l in layers] == sorted(source.experts)  # dense layers skipped, MTP layers included
+    for l, lj in zip(layers, m["layers"]):
+        assert l.offset % ALIGNMENT == 0 and l.expert_stride % ALIGNMENT == 0 and l.read_bytes % ALIGNMENT == 0
+        for r in l.roles:
+            data, shape, ttype = _source_bytes(src, r.tensor)
+            assert (r.type, r.shape) == (ttype, shape)
+            for e in range(m["n_experts"]):
+                got = raw[l.expert_offset(e) + r.offset: l.expert_offset(e) + r.offset + r.bytes]
+                assert got == data[e * r.bytes:(e + 1) * r.bytes], f"{r.tensor} expert {e}"
+        for e in range(m["n_experts"]):
+            block = raw[l.expert_offset(e): l.expert_offset(e) + l.expert_stride]
+            assert xxh3_128(block[:l.block_bytes]).hex() == lj["checksums"][e]
+            assert not any(block[l.block_bytes:])
+    verify(pack)
+
+
+@pytest.mark.parametrize("case", ["qwen3moe", "deepseek4", "kimi-k3", "qwen3moe-3-shards"])
+def test_trunk_and_manifest_reproduce_the_tensor_list(packs, case):
+    src, pack = packs(case)
+    original = [(t.name, t.entry.shape, t.entry.type) for t in open_source(src).tensors]
+    m = load_manifest(pack)
+    trunk = {t.name: (t.shape, t.type) for t in read_header(pack / TRUNK_FILE).tensors}
+    experts = {r.tensor: (r.shape, r.type) for l in layers_from_manifest(m) for r in l.roles}
+    assert not set(trunk) & set(experts)
+    rebuilt = [(n, *(trunk.get(n) or experts[n])) for n in m["source"]["tensor_names"]]
+    assert rebuilt == original
+    # the trunk keeps all metadata but the split keys, and is tied to the pack
+    th, sh = read_header(pack / TRUNK_FILE), read_header(src)
+    assert {k for k in sh.kvs if not k.startswith("split.")} | {"expert_pack.pack_id", "expert_pack.source_fingerprint"} \
+        == set(th.kvs)
+    assert th.get("expert_pack.pack_id") == m["pack_id"]
+    # trunk tensor data is byte for byte the source's
+    s = open_source(src)
+    for t in read_header(pack / TRUNK_FILE).tensors[:5]:
+        with open(pack / TRUNK_FILE, "rb") as f:
+            f.seek(t.offset)
+            assert f.read(t.nbytes) == _source_bytes(src, t.name)[0]
+    del s
+
+
+def test_stride_choice(packs, capsys):
+    """One stride when blocks are alike; per-layer strides when they save more than 3% (docs/FORMAT.md)."""
+    for case, uniform in [("qwen3moe", True), ("qwen3moe-role-types", True), ("qwen3moe-mixed-types", False)]:
+        m = load_manifest(packs(case)[1])
+        layers = layers_from_manifest(m)
+        one = max(l.read_bytes for l in layers) * len(layers) * m["n_experts"]
+        per = sum(l.read_bytes for l in layers) * m["n_experts"]
+        with capsys.disabled():
+            print(f"\n{case}: one stride {one} B, per-layer {per} B, saving {100 * (one - per) / one:.1f}%")
+        assert m["pack"]["uniform_stride"] is uniform
+
+
+def _copy_pack(pack: Path, tmp_path: Path) -> Path:
+    dst = tmp_path / "copy"
+    shutil.copytree(pack, dst)
+    return dst
+
+
+def test_flipped_byte_names_the_block(packs, tmp_path):
+    pack = _copy_pack(packs("qwen3moe")[1], tmp_path)
+    m = load_manifest(pack)
+    l = layers_from_manifest(m)[2]
+    off = l.expert_offset(11) + l.roles[1].offset + 77
+    with open(pack / PACK_FILE, "r+b") as f:
+        f.seek(off)
+        b = f.read(1)
+        f.seek(off)
+        f.write(bytes([b[0] ^ 0x10]))
+    verify(pack, quick=True)  # structure is intact
+    with pytest.raises(VerifyError, match=f"layer {l.layer} expert 11 .*checksum mismatch"):
+        verify(pack)
+    assert cli(["verify", str(pack), "--quiet"]) == 1
+
+
+def test_nonzero_padding_is_found(packs, tmp_path):
+    pack = _copy_pack(packs("qwen3moe-mixed-types")[1], tmp_path)
+    l = next(l for l in layers_from_manifest(load_manifest(pack)) if l.block_bytes < l.expert_stride)
+    with open(pack / PACK_FILE, "r+b") as f:
+        f.seek(l.expert_offset(3) + l.expert_stride - 1)
+        f.write(b"\x01")
+    with pytest.raises(VerifyError, match="expert 3: padding"):
+        verify(pack)
+
+
+def test_truncated_pack(packs, tmp_path):
+    pack = _copy_pack(packs("qwen3moe")[1], tmp_path)
+    size = (pack / PACK_FILE).stat().st_size
+    os.truncate(pack / PACK_FILE, size - 4096)
+    with pytest.raises(VerifyError, match="truncated"):
+        verify(pack, quick=True)
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda m: m["layers"][1]["checksums"].__setitem__(0, "0" * 32), "modified after the build"),
+    (lambda m: m["layers"][0].__setitem__("offset", 8192), "modified after the build"),
+    (lambda m: m.__setitem__("n_experts", 8), "modified after the build"),
+])
+def test_edited_manifest(packs, tmp_path, edit, match):
+    pack = _copy_pack(packs("qwen3moe")[1], tmp_path)
+    m = json.loads((pack / MANIFEST_FILE).read_text())
+    edit(m)
+    (pack / MANIFEST_FILE).write_text(json.dumps(m))
+    with pytest.raises(VerifyError, match=match):
+        verify(pack, quick=True)
+
+
+def test_edited_manifest_with_recomputed_digest_is_still_refused(packs, tmp_path):
+    from ggml_expert_pack.packer.format import manifest_digest
+    pack = _copy_pack(packs("qwen3moe")[1], tmp_path)
+    m = json.loads((pack / MANIFEST_FILE).read_text())
+    m["layers"][0]["roles"][0]["offset"] += 256
+    m["manifest_digest"] = manifest_digest(m)
+    (pack / MANIFEST_FILE).write_text(json.dumps(m))
+    with pytest.raises(VerifyError, match="does not match its pack_id"):
+        verify(pack, quick=True)
+
+
+def test_trunk_from_another_model(packs, tmp_path):
+    pack = _copy_pack(packs("qwen3moe")[1], tmp_path)
+    other = packs("qwen3moe-mixed-types")[1]
+    shutil.copyfile(other / TRUNK_FILE, pack / TRUNK_FILE)
+    with pytest.raises(VerifyError, match="trunk.gguf"):
+        verify(pack, quick=True)
+
+
+def test_pack_from_another_model(packs, tmp_path):
+    pack = _copy_pack(packs("qwen3moe")[1], tmp_path)
+    shutil.copyfile(packs("qwen3moe-role-types")[1] / PACK_FILE, pack / PACK_FILE)
+    with pytest.raises(VerifyError, match="experts.pack"):
+        verify(pack, quick=True)
+
+
+# ---- bad input -----------------------------------------------------------------------------------------
+
+def _tiny_gguf(path: Path, tensors: list[TensorInfo], arch="qwen3moe", extra_kvs=()):
+    w = GGUFStreamWriter(path, [kv_str("general.architecture", arch), *extra_kvs], tensors)
+    with open(path, "wb") as f:
+        w.begin(f)
+        for t in tensors:
+            w.write_tensor_data([np.zeros(t.nbytes, np.uint8)])
+        w.end()
+    return path
+
+
+def _assert_nothing_written(out: Path):
+    assert not out.exists() or not any(out.iterdir()), list(out.iterdir())
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda d: (d / "x.gguf").write_bytes(b"PK\x03\x04 not a gguf at all"), "not a GGUF"),
+    (lambda d: _tiny_gguf(d / "x.gguf", [TensorInfo("token_embd.weight", (64, 8), T.F16)]), "no routed experts"),
+    (lambda d: _tiny_gguf(d / "x.gguf", [TensorInfo("blk.0.ffn_gate_exps.weight", (64, 8, 4), T.F16)]),
+     "unsupported layout"),
+    (lambda d: _tiny_gguf(d / "x.gguf", [TensorInfo("blk.0.ffn_up_exps.weight", (64, 8, 4), T.F16),
+                                         TensorInfo("blk.0.ffn_down_exps.weight", (8, 64, 4), T.F16),
+                                         TensorInfo("blk.1.ffn_up_exps.weight", (64, 8, 2), T.F16),
+                                         TensorInfo("blk.1.ffn_down_exps.weight", (8, 64, 2), T.F16)]),
+     "different expert counts"),
+])
+def test_bad_sources(tmp_path, make, match):
+    make(tmp_path)
+    with pytest.raises(SourceError, match=match):
+        build(tmp_path / "x.gguf", tmp_path / "out")
+    _assert_nothing_written(tmp_path / "out")
+    assert cli(["build", str(tmp_path / "x.gguf"), "-o", str(tmp_path / "out"), "--quiet"]) == 2
+
+
+def test_truncated_gguf(synth_model, tmp_path):
+    src = tmp_path / "t.gguf"
+    shutil.copyfile(synth_model("qwen3moe"), src)
+    os.truncate(src, src.stat().st_size // 2)
+    with pytest.raises(SourceError, match="truncated"):
+        build(src, tmp_path / "out")
+    _assert_nothing_written(tmp_path / "out")
+
+
+def test_missing_shard(synth_model, tmp_path):
+    first = synth_model("qwen3moe", shards=3)
+    for p in first.parent.glob(first.name.replace("00001-of", "0000?-of")):
+        if "00002-of" not in p.name:
+            shutil.copyfile(p, tmp_path / p.name)
+    with pytest.raises(SourceError, match="missing shard.*00002-of-00003"):
+        build(tmp_path / first.name, tmp_path / "out")
+    _assert_nothing_written(tmp_path / "out")
+
+
+def test_merged_gate_up(tmp_path):
+    """gate_up_exps (merged) + down, two MoE layers after a dense one."""
+    t = [TensorInfo("token_embd.weight", (64, 16), T.F32), TensorInfo("blk.0.ffn_down.weight", (64, 64), T.F16)]
+    for il in (1, 2):
+        t += [TensorInfo(f"blk.{il}.ffn_gate_up_exps.weight", (64, 256, 4), T.Q8_0),
+              TensorInfo(f"blk.{il}.ffn_down_exps.weight", (128, 64, 4), T.Q8_0)]
+    src = _tiny_gguf(tmp_path / "m.gguf", t, extra_kvs=[kv_u32("qwen3moe.expert_count", 4)])
+    # random content so that a misplaced byte shows
+    rng = np.random.default_rng(0)
+    h = read_header(src)
+    with open(src, "r+b") as f:
+        for e in h.tensors:
+            f.seek(e.offset)
+            f.write(rng.integers(0, 255, e.nbytes, dtype=np.uint8).tobytes())
+    pack = build(src, tmp_path / "p").pack_dir
+    m = load_manifest(pack)
+    assert [l["layer"] for l in m["layers"]] == [1, 2]
+    assert [r["role"] for r in m["layers"][0]["roles"]] == ["gate_up", "down"]
+    verify(pack)
+
+
+def test_no_room(synth_model, tmp_path, monkeypatch):
+    b = importlib.import_module("ggml_expert_pack.packer.build")
+    monkeypatch.setattr(b.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10 << 30, 10 << 30, 3 << 20))
+    with pytest.raises(BuildError, match=r"not enough space .*need .*MiB \(pack .* \+ trunk .*\), 3.0 MiB free"):
+        build(synth_model("qwen3moe"), tmp_path / "out")
+    _assert_nothing_written(tmp_path / "out")
+
+
+def test_interrupted_build_leaves_nothing_valid_and_rerun_works(synth_model, tmp_path, monkeypatch):
+    b = importlib.import_module("ggml_expert_pack.packer.build")
+    real = b._pack_layer
+    calls = []
+
+    def dies(*a, **k):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*a, **k)
+    monkeypatch.setattr(b, "_pack_layer", dies)
+    out = tmp_path / "out"
+    with pytest.raises(KeyboardInterrupt):
+        build(synth_model("qwen3moe"), out)
+    _assert_nothing_written(out)
+    # a build killed outright leaves .partial files: the next build removes them
+    (out / ".experts.pack.partial").write_bytes(b"\0" * 8192)
+    monkeypatch.setattr(b, "_pack_layer", real)
+    build(synth_model("qwen3moe"), out)
+    assert sorted(p.name for p in out.iterdir()) == sorted([PACK_FILE, MANIFEST_FILE, TRUNK_FILE])
+    verify(out)
+
+
+def test_existing_pack_needs_force(packs, tmp_path):
+    src, pack = packs("qwen3moe")
+    dst = _copy_pack(pack, tmp_path)
+    with pytest.raises(BuildError, match="already holds an expert pack.*--force"):
+        build(src, dst)
+    build(src, dst, force=True)
+    verify(dst)
+
+
+def test_header_is_checked(packs, tmp_path):
+    pack = _copy_pack(packs("qwen3moe")[1], tmp_path)
+    with open(pack / PACK_FILE, "r+b") as f:
+        f.seek(20)
+        f.write(b"\x07")
+    with pytest.raises(VerifyError, match="header checksum mismatch"):
+        verify(pack, quick=True)
+    with open(pack / PACK_FILE, "r+b") as f:
+        f.write(b"NOTAPACK")
+    with pytest.raises(VerifyError, match="not an expert pack"):
+        verify(pack, quick=True)
+    assert HEADER_SIZE == 4096
+
+
+def test_cli_inspect(packs, capsys):
+    pack = packs("qwen3moe-mixed-types")[1]
+    assert cli(["inspect", str(pack), "--json"]) == 0
+    s = json.loads(capsys.readouterr().out)
+    assert s["n_moe_layers"] == 4 and s["n_experts"] == 16
+    assert s["roles"]["gate"] == {"Q4_K": 2, "F16": 1, "Q2_K": 1}
+    assert s["uniform_stride"] is False
+    assert cli(["inspect", str(pack)]) == 0
+    text = capsys.readouterr().out
+    assert "pack id" in text and "Q2_K x1 layers" in text
