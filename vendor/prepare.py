@@ -21,6 +21,7 @@ Usage:
   python vendor/prepare.py                 # make sure the patched tree exists; print its path
   python vendor/prepare.py --offline       # never download; fail with a clear message instead
   python vendor/prepare.py bundle-tree OUT.tar.gz
+  python vendor/prepare.py make-patch NAME FILE...   # after editing the tree: (re)write a patch of the series
 """
 from __future__ import annotations
 
@@ -278,6 +279,43 @@ def bundle_tree(out: Path, tree: Path) -> None:
     log(f"wrote {out} ({n} files, {out.stat().st_size / 2**20:.1f} MiB)")
 
 
+# ---------------------------------------------------------------------------------------------------------
+# maintaining the series
+
+
+def make_patch(tree: Path, name: str, files: list[str]) -> Path:
+    """Write vendor/patches/NAME from the tree's current FILES (paths relative to the sdist top) against the
+    pristine sdist, and record it as applied. Each upstream file belongs to one patch of the series, so every
+    patch is a plain diff against the pristine source."""
+    owners = {f: p.name for p in patch_series() if p.name != name for f in _files_in_patch(p)}
+    clash = [f for f in files if f in owners]
+    if clash:
+        raise PrepareError(f"{', '.join(clash)} already belong to {owners[clash[0]]}: extend that patch instead")
+    sdist = fetch_sdist(offline=True)
+    chunks = []
+    with tarfile.open(sdist) as tf, tempfile.TemporaryDirectory() as tmp:
+        for rel in files:
+            member = tf.extractfile(f"{LOCK['top_dir']}/{rel}")
+            if member is None:
+                raise PrepareError(f"{rel} is not in the sdist")
+            orig = Path(tmp) / "orig"
+            orig.write_bytes(member.read())
+            r = subprocess.run(["diff", "-u", "--label", f"a/{rel}", "--label", f"b/{rel}", str(orig), str(tree / rel)],
+                               capture_output=True, text=True)
+            if r.returncode > 1:
+                raise PrepareError(f"diff failed on {rel}: {r.stderr}")
+            if not r.stdout:
+                raise PrepareError(f"{rel} does not differ from the sdist")
+            chunks.append(r.stdout)
+    out = PATCH_DIR / name
+    out.write_text("".join(chunks))
+    applied = tree / STAMP_DIR_NAME / "applied"
+    applied.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(out, applied / name)
+    log(f"wrote {out} ({len(files)} files)")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--offline", action="store_true", help="never download; fail if the sdist is not cached")
@@ -286,8 +324,14 @@ def main(argv: list[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="cmd")
     b = sub.add_parser("bundle-tree", help="write a pruned, patched copy of the tree as a .tar.gz")
     b.add_argument("out", type=Path)
+    m = sub.add_parser("make-patch", help="(re)write vendor/patches/NAME from edited upstream files")
+    m.add_argument("name", help="e.g. 0002-expert-pack-loader.patch")
+    m.add_argument("files", nargs="+", help="paths relative to the sdist top, e.g. vendor/llama.cpp/src/llama.cpp")
     args = ap.parse_args(argv)
     try:
+        if args.cmd == "make-patch":
+            make_patch(args.tree or default_tree(), args.name, args.files)
+            return 0
         tree = ensure_tree(args.tree, offline=args.offline)
         if args.cmd == "bundle-tree":
             bundle_tree(args.out, tree)

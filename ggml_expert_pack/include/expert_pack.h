@@ -1,5 +1,12 @@
 // expert_pack.h -- C API of the expert-pack runtime provider (libggml-expert-pack).
+//
+// A provider streams the routed experts of a MoE model from an expert pack (docs/FORMAT.md) into a cache
+// of whole experts, inside llama.cpp's compute graph (docs/ARCHITECTURE.md). Python binds this header
+// with cffi (ggml_expert_pack.pybind); the patched libllama calls the "llama.cpp integration" part.
 #pragma once
+
+#include <stddef.h>
+#include <stdint.h>
 
 #ifdef __cplusplus
 extern "C" {
@@ -11,14 +18,93 @@ extern "C" {
 #    define EXPERT_PACK_API
 #endif
 
-#include <stddef.h>
-#include <stdint.h>
+struct ggml_tensor;
+struct ggml_backend_device;
+
+typedef struct expert_pack_provider expert_pack_provider;
+typedef struct expert_pack_layer    expert_pack_layer;
 
 // Version of the provider library ("MAJOR.MINOR.PATCH").
 EXPERT_PACK_API const char * expert_pack_version(void);
 
-// XXH3-128 of a buffer, as 16 bytes in canonical (big-endian) order: the checksum of expert blocks and
-// the fingerprints of docs/FORMAT.md.
+// ---- configuration and lifetime --------------------------------------------------------------------------
+// The configuration is a JSON object with the keys of docs/ARCHITECTURE.md ("pack_path", "manifest_path",
+// "cache_vram_mib", "cache_vram_reserve_mib", "stage_slots", "read_splits", "direct_io", "stats_path",
+// "stats_flush_interval", "verify_pack_sha256"). Unknown keys and bad values are errors naming the key.
+
+// 0 if `config_json` is a valid configuration; otherwise -1 and a one-line message in err.
+EXPERT_PACK_API int expert_pack_config_validate(const char * config_json, char * err, size_t err_len);
+
+// Open a pack: validate the configuration, the manifest, the pack header and the files, open the pack
+// (O_DIRECT when direct_io). Fails closed: NULL with the cause in err (e.g. a filesystem that refuses
+// O_DIRECT, a misaligned pack, a pack from another model).
+EXPERT_PACK_API expert_pack_provider * expert_pack_open(const char * config_json, char * err, size_t err_len);
+
+// Free a provider (after the llama_model that uses it). Writes a final stats file if stats_path is set.
+EXPERT_PACK_API void expert_pack_free(expert_pack_provider * p);
+
+// ---- statistics and control ------------------------------------------------------------------------------
+// Counters are per unique (layer, expert) key per step; a step is one graph compute (one ubatch).
+typedef struct expert_pack_stats {
+    uint64_t cache_hits;       // keys found in the cache
+    uint64_t cache_misses;     // keys loaded from the pack
+    uint64_t cache_evictions;  // cached experts replaced by a miss
+    uint64_t pack_read_bytes;  // bytes read from the pack
+    uint64_t h2d_bytes;        // bytes copied from staging into the cache (host-to-device on a GPU)
+    uint64_t fallback_count;   // diagnosable detours: short reads retried, steps split into chunks
+    uint64_t io_errors;        // failed reads, checksum mismatches
+    uint64_t steps;            // graph computes that used the provider
+} expert_pack_stats;
+
+EXPERT_PACK_API void expert_pack_get_stats(const expert_pack_provider * p, expert_pack_stats * out);
+EXPERT_PACK_API void expert_pack_reset_stats(expert_pack_provider * p);
+// Drop every cached expert (the next steps load from the pack again).
+EXPERT_PACK_API void expert_pack_reset_cache(expert_pack_provider * p);
+// The stats file's content (JSON): counters, cache geometry, configuration. Returns the length written
+// (without the terminating 0), or the length needed if buf is too small.
+EXPERT_PACK_API size_t expert_pack_stats_json(const expert_pack_provider * p, char * buf, size_t len);
+// The last runtime error ("" if none). Set when a step fails (an I/O error, a checksum mismatch).
+EXPERT_PACK_API const char * expert_pack_last_error(const expert_pack_provider * p);
+// Slots per MoE layer and the largest ubatch whose unique experts always fit (0: no limit), once attached.
+EXPERT_PACK_API int32_t  expert_pack_slots_per_layer(const expert_pack_provider * p);
+EXPERT_PACK_API uint32_t expert_pack_max_ubatch(const expert_pack_provider * p);
+
+// ---- llama.cpp integration (the patched libllama calls these) --------------------------------------------
+// Whether `name` is a routed-expert tensor held by the pack.
+EXPERT_PACK_API int expert_pack_has_tensor(const expert_pack_provider * p, const char * name);
+// The shape/type-only tensor standing for a packed expert tensor (never allocated, never read). `ne` is the
+// shape the architecture expects; a mismatch with the manifest is an error (NULL, message in err).
+EXPERT_PACK_API struct ggml_tensor * expert_pack_tensor(expert_pack_provider * p, const char * name, int n_dims,
+                                                        const int64_t * ne, char * err, size_t err_len);
+// Allocate the cache arenas, each MoE layer's on the device that runs that layer (layer_devs[il]; NULL: CPU),
+// from the byte budget. 0 on success; -1 with the numbers in err (e.g. a cache below one token's experts).
+EXPERT_PACK_API int expert_pack_attach(expert_pack_provider * p, int n_layer,
+                                       struct ggml_backend_device * const * layer_devs, int n_expert_used,
+                                       char * err, size_t err_len);
+// Free the arenas (the model goes away; the provider may be attached to another).
+EXPERT_PACK_API void expert_pack_detach(expert_pack_provider * p);
+// The layer handle of a packed expert tensor (NULL if `t` is not one).
+EXPERT_PACK_API expert_pack_layer * expert_pack_layer_of(const struct ggml_tensor * t);
+// The cache arena view that replaces expert tensor `t` in mul_mat_id (ne[2] = slots).
+EXPERT_PACK_API struct ggml_tensor * expert_pack_layer_arena(expert_pack_layer * l, const struct ggml_tensor * t);
+// The graph op (ggml_custom_4d, userdata = the layer handle): expert ids (src[0], I32 [k, n_tokens]) ->
+// cache slot ids (dst, same shape), loading misses before it returns.
+EXPERT_PACK_API void expert_pack_acquire(struct ggml_tensor * dst, int ith, int nth, void * userdata);
+// Non-zero if a step failed since the last call (which clears the flag); the message is expert_pack_last_error.
+EXPERT_PACK_API int expert_pack_take_step_error(expert_pack_provider * p);
+
+// ---- the cache policy on its own (unit tests, simulators) -------------------------------------------------
+typedef struct expert_pack_policy expert_pack_policy;
+EXPERT_PACK_API expert_pack_policy * expert_pack_policy_new(int32_t n_slots, int32_t n_experts);
+// One step: the experts one layer needs (duplicates allowed). Writes each one's slot into slots_out and adds
+// to the counters. Returns -1 (nothing changed) if the step needs more distinct experts than there are slots.
+EXPERT_PACK_API int expert_pack_policy_step(expert_pack_policy * pol, const int32_t * experts, int32_t n,
+                                            int32_t * slots_out, uint64_t * hits, uint64_t * misses,
+                                            uint64_t * evictions);
+EXPERT_PACK_API void expert_pack_policy_free(expert_pack_policy * pol);
+
+// ---- hashing (checksums and fingerprints of docs/FORMAT.md) ----------------------------------------------
+// XXH3-128 of a buffer, as 16 bytes in canonical (big-endian) order.
 EXPERT_PACK_API void expert_pack_xxh3_128(const void * data, size_t size, uint8_t out[16]);
 
 // Streaming form of the same hash.

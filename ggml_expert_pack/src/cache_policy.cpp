@@ -1,0 +1,85 @@
+#include "cache_policy.h"
+
+#include <cmath>
+
+namespace expert_pack {
+
+hybrid_policy::hybrid_policy(int32_t n_slots, int32_t n_experts, double half_life)
+    : half_life_(half_life), slot_of_(n_experts, -1), expert_in_(n_slots, -1), freq_(n_experts, 0.0),
+      last_(n_experts, 0), pinned_(n_slots, 0) {}
+
+double hybrid_policy::score(int32_t e) const {
+    return freq_[e] * std::exp2(-double(now_ - last_[e]) / half_life_);
+}
+
+bool hybrid_policy::step(const std::vector<int32_t> & unique, std::vector<access> & out) {
+    if (unique.size() > expert_in_.size()) {
+        return false;
+    }
+    ++now_;
+    out.clear();
+    out.reserve(unique.size());
+    // hits first: every slot this step needs is pinned before any victim is chosen
+    for (int32_t e : unique) {
+        freq_[e] = score(e) + 1.0;
+        last_[e] = now_;
+        const int32_t s = slot_of_[e];
+        if (s >= 0) {
+            pinned_[s] = now_;
+        }
+        out.push_back({e, s, s >= 0, -1});
+    }
+    for (auto & a : out) {
+        if (a.hit) {
+            continue;
+        }
+        int32_t victim = -1;
+        double best = 0;
+        uint64_t best_last = 0;
+        for (int32_t s = 0; s < (int32_t) expert_in_.size(); ++s) {
+            if (pinned_[s] == now_) {
+                continue;
+            }
+            const int32_t old = expert_in_[s];
+            if (old < 0) {  // a free slot beats any eviction
+                victim = s;
+                break;
+            }
+            const double sc = score(old);
+            if (victim < 0 || sc < best || (sc == best && last_[old] < best_last)) {
+                victim = s;
+                best = sc;
+                best_last = last_[old];
+            }
+        }
+        // cannot fail: at most n_slots experts are pinned and `a` is not one of them yet
+        a.slot = victim;
+        a.evicted = expert_in_[victim];
+        if (a.evicted >= 0) {
+            slot_of_[a.evicted] = -1;
+        }
+        expert_in_[victim] = a.expert;
+        slot_of_[a.expert] = victim;
+        pinned_[victim] = now_;
+    }
+    return true;
+}
+
+void hybrid_policy::invalidate(int32_t slot) {
+    const int32_t e = expert_in_[slot];
+    if (e >= 0) {
+        slot_of_[e] = -1;
+    }
+    expert_in_[slot] = -1;
+}
+
+void hybrid_policy::clear() {
+    std::fill(slot_of_.begin(), slot_of_.end(), -1);
+    std::fill(expert_in_.begin(), expert_in_.end(), -1);
+    std::fill(freq_.begin(), freq_.end(), 0.0);
+    std::fill(last_.begin(), last_.end(), 0);
+    std::fill(pinned_.begin(), pinned_.end(), 0);
+    now_ = 0;
+}
+
+}  // namespace expert_pack

@@ -1,0 +1,49 @@
+// Which cached expert to evict: a frequency/recency hybrid (LRFU). Each expert of a layer keeps a score that
+// gains 1 per step it is used and halves every `half_life` steps, so a frequently used expert survives a
+// short absence (LFU) while stale popularity fades (LRU). The policy never evicts an expert the current
+// step needs and never writes anything back (caches hold read-only copies of the pack).
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+namespace expert_pack {
+
+class hybrid_policy {
+public:
+    static constexpr double DEFAULT_HALF_LIFE = 16.0;  // steps
+
+    hybrid_policy(int32_t n_slots, int32_t n_experts, double half_life = DEFAULT_HALF_LIFE);
+
+    struct access {
+        int32_t expert;
+        int32_t slot;
+        bool    hit;
+        int32_t evicted;  // the expert this slot held before a miss, -1 if the slot was free
+    };
+
+    // One step: `unique` are the distinct experts the step needs. Fills `out` (same order) and returns true;
+    // returns false, changing nothing, if they are more than the slots.
+    bool step(const std::vector<int32_t> & unique, std::vector<access> & out);
+
+    // A load failed: the slot holds nothing.
+    void invalidate(int32_t slot);
+    // Forget every cached expert (frequencies too).
+    void clear();
+
+    int32_t n_slots() const { return (int32_t) expert_in_.size(); }
+    int32_t slot_of(int32_t expert) const { return slot_of_[expert]; }
+
+private:
+    double score(int32_t expert) const;
+
+    double half_life_;
+    uint64_t now_ = 0;
+    std::vector<int32_t> slot_of_;    // expert -> slot, -1 if not cached
+    std::vector<int32_t> expert_in_;  // slot -> expert, -1 if free
+    std::vector<double> freq_;        // per expert, kept while evicted: frequency outlives residency
+    std::vector<uint64_t> last_;      // per expert: step of the last use
+    std::vector<uint64_t> pinned_;    // per slot: the step that needs it (protection)
+};
+
+}  // namespace expert_pack

@@ -1,0 +1,92 @@
+#include "config.h"
+
+#include <nlohmann/json.hpp>
+
+#include <stdexcept>
+
+namespace expert_pack {
+
+using json = nlohmann::json;
+
+static std::string shown(const json & v) {
+    std::string s = v.dump();
+    return s.size() > 40 ? s.substr(0, 37) + "..." : s;
+}
+
+[[noreturn]] static void bad(const std::string & key, const std::string & what, const json & v) {
+    throw std::invalid_argument("expert_pack key '" + key + "' must be " + what + ", got " + shown(v));
+}
+
+static std::string get_string(const std::string & key, const json & v, bool non_empty) {
+    if (!v.is_string() || (non_empty && v.get<std::string>().empty())) {
+        bad(key, non_empty ? "a non-empty string" : "a string", v);
+    }
+    return v.get<std::string>();
+}
+
+static double get_number(const std::string & key, const json & v, double min) {
+    if (!v.is_number() || v.is_boolean() || v.get<double>() < min || v.get<double>() != v.get<double>()) {
+        bad(key, "a number >= " + std::to_string((long long) min), v);
+    }
+    return v.get<double>();
+}
+
+static int32_t get_int(const std::string & key, const json & v, int32_t min, int32_t max) {
+    if (!v.is_number_integer() || v.get<int64_t>() < min || v.get<int64_t>() > max) {
+        bad(key, "an integer in [" + std::to_string(min) + ", " + std::to_string(max) + "]", v);
+    }
+    return (int32_t) v.get<int64_t>();
+}
+
+static bool get_bool(const std::string & key, const json & v) {
+    if (!v.is_boolean()) {
+        bad(key, "true or false", v);
+    }
+    return v.get<bool>();
+}
+
+config parse_config(const std::string & json_text) {
+    json j;
+    try {
+        j = json::parse(json_text);
+    } catch (const json::parse_error & e) {
+        throw std::invalid_argument(std::string("expert_pack configuration is not valid JSON: ") + e.what());
+    }
+    if (!j.is_object()) {
+        throw std::invalid_argument("expert_pack configuration must be a JSON object");
+    }
+    config c;
+    for (const auto & [key, v] : j.items()) {
+        if      (key == "pack_path")              c.pack_path = get_string(key, v, true);
+        else if (key == "manifest_path")          c.manifest_path = get_string(key, v, true);
+        else if (key == "cache_vram_mib")         c.cache_vram_mib = get_number(key, v, 0);
+        else if (key == "cache_vram_reserve_mib") c.cache_vram_reserve_mib = get_number(key, v, 0);
+        else if (key == "stage_slots")            c.stage_slots = get_int(key, v, 1, 1024);
+        else if (key == "read_splits")            c.read_splits = get_int(key, v, 1, 64);
+        else if (key == "direct_io")              c.direct_io = get_bool(key, v);
+        else if (key == "stats_path")             c.stats_path = get_string(key, v, false);
+        else if (key == "stats_flush_interval")   c.stats_flush_interval = get_int(key, v, 1, 1 << 30);
+        else if (key == "verify_pack_sha256")     c.verify_pack_sha256 = get_bool(key, v);
+        else {
+            throw std::invalid_argument("unknown expert_pack key '" + key + "'");
+        }
+    }
+    if (c.pack_path.empty()) {
+        throw std::invalid_argument("expert_pack key 'pack_path' is required");
+    }
+    if (c.manifest_path.empty()) {
+        throw std::invalid_argument("expert_pack key 'manifest_path' is required");
+    }
+    return c;
+}
+
+std::string config::to_json() const {
+    return json{
+        {"pack_path", pack_path}, {"manifest_path", manifest_path}, {"cache_vram_mib", cache_vram_mib},
+        {"cache_vram_reserve_mib", cache_vram_reserve_mib}, {"stage_slots", stage_slots},
+        {"read_splits", read_splits}, {"direct_io", direct_io}, {"stats_path", stats_path},
+        {"stats_flush_interval", stats_flush_interval}, {"verify_pack_sha256", verify_pack_sha256},
+    }.dump();
+}
+
+}  // namespace expert_pack

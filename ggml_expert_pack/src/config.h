@@ -1,0 +1,28 @@
+// The provider's configuration: the reference design's keys, validated (unknown keys and bad values are
+// errors naming the key).
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace expert_pack {
+
+struct config {
+    std::string pack_path;               // experts.pack
+    std::string manifest_path;           // manifest.json
+    double      cache_vram_mib        = 0;      // cache budget on each device (CPU: host arena); 0 = all that fits
+    double      cache_vram_reserve_mib = 1024;  // left free on each device
+    int32_t     stage_slots           = 4;      // staging buffers (4096-aligned; pinned on a GPU)
+    int32_t     read_splits           = 1;      // concurrent sub-reads per expert block
+    bool        direct_io             = true;   // O_DIRECT reads; false = buffered (for comparison only)
+    std::string stats_path;                     // stats JSON written every stats_flush_interval steps
+    int32_t     stats_flush_interval  = 64;
+    bool        verify_pack_sha256    = true;   // verify each block's checksum (XXH3-128) as it is read
+
+    std::string to_json() const;
+};
+
+// Throws std::invalid_argument with a one-line message naming the key.
+config parse_config(const std::string & json_text);
+
+}  // namespace expert_pack

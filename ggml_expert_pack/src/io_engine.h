@@ -1,0 +1,60 @@
+// Reads whole expert blocks from the pack: pread on an O_DIRECT descriptor (no page-cache copy) into
+// 4096-aligned staging buffers, each block split into `read_splits` concurrent sub-reads. The buffered
+// path (direct_io=false) exists for comparison only; a filesystem that refuses O_DIRECT is a start-up error,
+// never a silent fallback.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <mutex>
+#include <queue>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace expert_pack {
+
+struct io_error : std::runtime_error {
+    using std::runtime_error::runtime_error;
+};
+
+class io_engine {
+public:
+    // Opens `path`; with `direct`, fails (std::runtime_error naming the cause) if the filesystem refuses O_DIRECT.
+    io_engine(const std::string & path, bool direct, int read_splits);
+    ~io_engine();
+
+    io_engine(const io_engine &) = delete;
+    io_engine & operator=(const io_engine &) = delete;
+
+    // Read exactly `len` bytes at `off` into `dst` (4096-aligned address, offset and length when direct).
+    // Throws io_error (short file, EIO, ...). Short reads are retried and counted.
+    void read(void * dst, uint64_t off, size_t len);
+
+    uint64_t file_size() const { return size_; }
+    bool direct() const { return direct_; }
+    uint64_t retried_short_reads() const { return short_reads_.load(); }
+
+private:
+    void read_part(uint8_t * dst, uint64_t off, size_t len);
+    void worker();
+
+    std::string path_;
+    int fd_ = -1;
+    bool direct_ = false;
+    int splits_ = 1;
+    uint64_t size_ = 0;
+    std::atomic<uint64_t> short_reads_{0};
+
+    // sub-read workers (read_splits - 1 of them; the caller does one part itself)
+    std::vector<std::thread> workers_;
+    std::mutex mu_;
+    std::condition_variable cv_;
+    std::queue<std::function<void()>> jobs_;
+    bool stop_ = false;
+};
+
+}  // namespace expert_pack

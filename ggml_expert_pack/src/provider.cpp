@@ -1,0 +1,516 @@
+// The provider: ties the pack (manifest + I/O engine), the per-layer caches (arena + policy) and the counters
+// together, and implements the C API (expert_pack.h). The graph op `expert_pack_acquire` is the hot path.
+#include "expert_pack.h"
+
+#include "arena.h"
+#include "cache_policy.h"
+#include "config.h"
+#include "io_engine.h"
+#include "manifest.h"
+#include "stats.h"
+
+#include "ggml-backend.h"
+#include "ggml.h"
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+using namespace expert_pack;
+
+namespace {
+
+void set_err(char * err, size_t len, const std::string & msg) {
+    if (err && len) {
+        snprintf(err, len, "%s", msg.c_str());
+    }
+}
+
+struct aligned_buffer {
+    uint8_t * ptr = nullptr;
+    explicit aligned_buffer(size_t n) {
+        if (posix_memalign((void **) &ptr, PACK_ALIGNMENT, n) != 0) {
+            throw std::runtime_error("cannot allocate a " + std::to_string(n) + "-byte staging buffer");
+        }
+        if ((uintptr_t) ptr % PACK_ALIGNMENT) {  // O_DIRECT needs it; never read into a misaligned buffer
+            throw std::runtime_error("misaligned staging buffer");
+        }
+    }
+    ~aligned_buffer() { free(ptr); }
+    aligned_buffer(const aligned_buffer &) = delete;
+    aligned_buffer & operator=(const aligned_buffer &) = delete;
+};
+
+// packed expert tensor -> its layer (graph building looks packed tensors up here)
+std::mutex g_registry_mu;
+std::unordered_map<const ggml_tensor *, expert_pack_layer *> g_registry;
+
+}  // namespace
+
+struct expert_pack_layer {
+    expert_pack_provider * owner = nullptr;
+    const layer_layout * layout = nullptr;
+    std::vector<ggml_tensor *> meta;  // shape/type-only tensors, in the layout's role order (null until created)
+    layer_arena arena;
+    std::unique_ptr<hybrid_policy> policy;
+    std::vector<hybrid_policy::access> plan;  // scratch
+};
+
+struct expert_pack_provider {
+    config cfg;
+    manifest man;
+    std::unique_ptr<io_engine> io;
+    std::vector<std::unique_ptr<aligned_buffer>> staging;
+    size_t next_stage = 0;
+    std::map<int32_t, std::unique_ptr<expert_pack_layer>> layers;  // by model layer index
+    std::unordered_map<std::string, std::pair<expert_pack_layer *, size_t>> by_tensor;  // name -> (layer, role)
+    ggml_context * meta_ctx = nullptr;
+    ggml_context * arena_ctx = nullptr;
+    bool attached = false;
+    int32_t slots_min = 0;
+    uint32_t max_ubatch = 0;
+    int32_t n_expert_used = 0;
+
+    counters stats;
+    std::mutex err_mu;
+    std::string last_error;
+    bool step_failed = false;     // the current step failed: its remaining layers skip their loads
+    bool failure_pending = false; // reported by expert_pack_take_step_error
+    int32_t last_layer = INT32_MAX;
+
+    ~expert_pack_provider() {
+        detach();
+        {
+            std::lock_guard<std::mutex> lk(g_registry_mu);
+            for (auto & [_, l] : layers) {
+                for (auto * t : l->meta) {
+                    if (t) g_registry.erase(t);
+                }
+            }
+        }
+        if (meta_ctx) ggml_free(meta_ctx);
+    }
+
+    void detach() {
+        for (auto & [_, l] : layers) {
+            free_arena(l->arena);
+            l->policy.reset();
+        }
+        if (arena_ctx) {
+            ggml_free(arena_ctx);
+            arena_ctx = nullptr;
+        }
+        attached = false;
+    }
+
+    std::string geometry_json() const {
+        uint64_t cache_bytes = 0;
+        for (const auto & [_, l] : layers) {
+            if (l->arena.buffer) cache_bytes += ggml_backend_buffer_get_size(l->arena.buffer);
+        }
+        std::string s = "\"pack_id\":\"" + man.pack_id + "\",\"n_layers\":" + std::to_string(layers.size()) +
+                        ",\"n_experts\":" + std::to_string(man.n_experts) +
+                        ",\"slots_per_layer\":" + std::to_string(slots_min) +
+                        ",\"max_ubatch\":" + std::to_string(max_ubatch) +
+                        ",\"cache_bytes\":" + std::to_string(cache_bytes) +
+                        ",\"direct_io\":" + (io && io->direct() ? "true" : "false") +
+                        ",\"config\":" + cfg.to_json();
+        return s;
+    }
+
+    void flush_stats() {
+        if (!cfg.stats_path.empty()) {
+            write_file_atomic(cfg.stats_path, stats_json(stats.snapshot(), geometry_json()));
+        }
+    }
+
+    void fail_step(const std::string & msg) {
+        std::lock_guard<std::mutex> lk(err_mu);
+        last_error = msg;
+        step_failed = true;
+        failure_pending = true;
+    }
+
+    void acquire(expert_pack_layer * L, ggml_tensor * dst);
+};
+
+void expert_pack_provider::acquire(expert_pack_layer * L, ggml_tensor * dst) {
+    const layer_layout & lay = *L->layout;
+    const ggml_tensor * ids = dst->src[0];
+    const int64_t k = ids->ne[0];
+    const int64_t n_tokens = ids->ne[1];
+    int32_t * out = (int32_t *) dst->data;
+
+    // a new graph compute starts where the layers wrap around
+    if (lay.layer <= last_layer) {
+        step_failed = false;
+        const uint64_t step = ++stats.steps;
+        if (!cfg.stats_path.empty() && step % (uint64_t) cfg.stats_flush_interval == 0) {
+            flush_stats();
+        }
+    }
+    last_layer = lay.layer;
+
+    auto fill_zero = [&] { std::fill(out, out + k * n_tokens, 0); };
+    if (step_failed || !L->policy) {
+        if (!L->policy) fail_step("expert pack is not attached to a model");
+        fill_zero();
+        return;
+    }
+
+    // the distinct experts of this step, in first-use order
+    std::vector<int32_t> unique;
+    unique.reserve(std::min<int64_t>(k * n_tokens, man.n_experts));
+    std::vector<char> seen(man.n_experts, 0);
+    for (int64_t t = 0; t < n_tokens; ++t) {
+        const int32_t * row = (const int32_t *) ((const char *) ids->data + t * ids->nb[1]);
+        for (int64_t j = 0; j < k; ++j) {
+            const int32_t e = row[j];
+            if (e < 0 || e >= man.n_experts) {
+                fail_step("layer " + std::to_string(lay.layer) + ": router chose expert " + std::to_string(e) +
+                          ", the pack has " + std::to_string(man.n_experts));
+                fill_zero();
+                return;
+            }
+            if (!seen[e]) {
+                seen[e] = 1;
+                unique.push_back(e);
+            }
+        }
+    }
+
+    if (!L->policy->step(unique, L->plan)) {
+        fail_step("layer " + std::to_string(lay.layer) + ": this step needs " + std::to_string(unique.size()) +
+                  " distinct experts, the cache holds " + std::to_string(L->policy->n_slots()) + " per layer");
+        fill_zero();
+        return;
+    }
+
+    uint64_t hits = 0, misses = 0, evictions = 0;
+    for (size_t i = 0; i < L->plan.size(); ++i) {
+        const auto & a = L->plan[i];
+        if (a.hit) {
+            ++hits;
+            continue;
+        }
+        try {
+            aligned_buffer & stage = *staging[next_stage++ % staging.size()];
+            io->read(stage.ptr, lay.expert_offset(a.expert), lay.read_bytes);
+            stats.pack_read_bytes += lay.read_bytes;
+            if (cfg.verify_pack_sha256) {
+                uint8_t sum[16];
+                expert_pack_xxh3_128(stage.ptr, lay.block_bytes, sum);
+                if (memcmp(sum, lay.checksums[a.expert].data(), 16) != 0) {
+                    throw io_error("checksum mismatch in layer " + std::to_string(lay.layer) + " expert " +
+                                   std::to_string(a.expert) + " (pack offset " +
+                                   std::to_string(lay.expert_offset(a.expert)) + "): expected " +
+                                   to_hex(lay.checksums[a.expert].data(), 16) + ", read " + to_hex(sum, 16));
+                }
+            }
+            arena_store(L->arena, a.slot, stage.ptr, lay.block_bytes);
+            stats.h2d_bytes += lay.block_bytes;
+            ++misses;
+            evictions += a.evicted >= 0;
+        } catch (const std::exception & e) {
+            // nothing computed from missing data: this and every later miss of the step hold no expert
+            for (size_t j = i; j < L->plan.size(); ++j) {
+                if (!L->plan[j].hit) L->policy->invalidate(L->plan[j].slot);
+            }
+            stats.io_errors++;
+            stats.cache_hits += hits;
+            stats.cache_misses += misses;
+            stats.cache_evictions += evictions;
+            fail_step(e.what());
+            fill_zero();
+            return;
+        }
+    }
+    stats.cache_hits += hits;
+    stats.cache_misses += misses;
+    stats.cache_evictions += evictions;
+    stats.fallback_count = io->retried_short_reads();
+
+    for (int64_t t = 0; t < n_tokens; ++t) {
+        const int32_t * row = (const int32_t *) ((const char *) ids->data + t * ids->nb[1]);
+        for (int64_t j = 0; j < k; ++j) {
+            out[t * k + j] = L->policy->slot_of(row[j]);
+        }
+    }
+}
+
+// ---- C API --------------------------------------------------------------------------------------------------
+
+extern "C" int expert_pack_config_validate(const char * config_json, char * err, size_t err_len) {
+    try {
+        parse_config(config_json ? config_json : "");
+        return 0;
+    } catch (const std::exception & e) {
+        set_err(err, err_len, e.what());
+        return -1;
+    }
+}
+
+extern "C" expert_pack_provider * expert_pack_open(const char * config_json, char * err, size_t err_len) {
+    try {
+        auto p = std::make_unique<expert_pack_provider>();
+        p->cfg = parse_config(config_json ? config_json : "");
+        p->man = load_manifest(p->cfg.manifest_path);
+        p->io = std::make_unique<io_engine>(p->cfg.pack_path, p->cfg.direct_io, p->cfg.read_splits);
+        {
+            aligned_buffer header(PACK_HEADER_SIZE);
+            p->io->read(header.ptr, 0, PACK_HEADER_SIZE);
+            check_pack_header(header.ptr, p->io->file_size(), p->man);
+        }
+        uint64_t max_read = 0;
+        for (const auto & l : p->man.layers) {
+            max_read = std::max(max_read, l.read_bytes);
+        }
+        for (int i = 0; i < p->cfg.stage_slots; ++i) {
+            p->staging.push_back(std::make_unique<aligned_buffer>(max_read));
+        }
+        ggml_init_params ip = {ggml_tensor_overhead() * (p->man.layers.size() * 4 + 8), nullptr, true};
+        p->meta_ctx = ggml_init(ip);
+        for (const auto & l : p->man.layers) {
+            auto L = std::make_unique<expert_pack_layer>();
+            L->owner = p.get();
+            L->layout = &l;
+            L->meta.assign(l.roles.size(), nullptr);
+            for (size_t r = 0; r < l.roles.size(); ++r) {
+                p->by_tensor[l.roles[r].tensor] = {L.get(), r};
+            }
+            p->layers[l.layer] = std::move(L);
+        }
+        return p.release();
+    } catch (const std::exception & e) {
+        set_err(err, err_len, e.what());
+        return nullptr;
+    }
+}
+
+extern "C" void expert_pack_free(expert_pack_provider * p) {
+    if (p) {
+        p->flush_stats();
+        delete p;
+    }
+}
+
+extern "C" void expert_pack_get_stats(const expert_pack_provider * p, expert_pack_stats * out) {
+    *out = p->stats.snapshot();
+}
+
+extern "C" void expert_pack_reset_stats(expert_pack_provider * p) {
+    p->stats.reset();
+}
+
+extern "C" void expert_pack_reset_cache(expert_pack_provider * p) {
+    for (auto & [_, l] : p->layers) {
+        if (l->policy) l->policy->clear();
+    }
+}
+
+extern "C" size_t expert_pack_stats_json(const expert_pack_provider * p, char * buf, size_t len) {
+    const std::string s = stats_json(p->stats.snapshot(), p->geometry_json());
+    if (buf && len > s.size()) {
+        memcpy(buf, s.c_str(), s.size() + 1);
+    }
+    return s.size();
+}
+
+extern "C" const char * expert_pack_last_error(const expert_pack_provider * p) {
+    return p->last_error.c_str();
+}
+
+extern "C" int32_t expert_pack_slots_per_layer(const expert_pack_provider * p) {
+    return p->slots_min;
+}
+
+extern "C" uint32_t expert_pack_max_ubatch(const expert_pack_provider * p) {
+    return p->max_ubatch;
+}
+
+extern "C" int expert_pack_has_tensor(const expert_pack_provider * p, const char * name) {
+    return p->by_tensor.count(name) ? 1 : 0;
+}
+
+extern "C" ggml_tensor * expert_pack_tensor(expert_pack_provider * p, const char * name, int n_dims, const int64_t * ne,
+                                            char * err, size_t err_len) {
+    auto it = p->by_tensor.find(name);
+    if (it == p->by_tensor.end()) {
+        set_err(err, err_len, std::string(name) + " is not in the expert pack");
+        return nullptr;
+    }
+    auto [L, r] = it->second;
+    const role_layout & role = L->layout->roles[r];
+    if (n_dims != 3 || ne[0] != role.ne[0] || ne[1] != role.ne[1] || ne[2] != role.ne[2]) {
+        char buf[256];
+        snprintf(buf, sizeof(buf), "%s: the model expects {%lld, %lld, %lld}, the pack holds {%lld, %lld, %lld}",
+                 name, (long long) (n_dims > 0 ? ne[0] : 0), (long long) (n_dims > 1 ? ne[1] : 0),
+                 (long long) (n_dims > 2 ? ne[2] : 0), (long long) role.ne[0], (long long) role.ne[1],
+                 (long long) role.ne[2]);
+        set_err(err, err_len, buf);
+        return nullptr;
+    }
+    if (!L->meta[r]) {
+        ggml_tensor * t = ggml_new_tensor_3d(p->meta_ctx, role.type, role.ne[0], role.ne[1], role.ne[2]);
+        ggml_set_name(t, name);
+        L->meta[r] = t;
+        std::lock_guard<std::mutex> lk(g_registry_mu);
+        g_registry[t] = L;
+    }
+    return L->meta[r];
+}
+
+extern "C" int expert_pack_attach(expert_pack_provider * p, int n_layer, ggml_backend_device * const * layer_devs,
+                                  int n_expert_used, char * err, size_t err_len) {
+    try {
+        p->detach();
+        p->n_expert_used = n_expert_used;
+        ggml_backend_dev_t cpu = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU);
+        // the layers of each device share that device's budget, one slot count per device
+        std::map<ggml_backend_dev_t, std::vector<expert_pack_layer *>> by_dev;
+        for (auto & [il, L] : p->layers) {
+            if (il >= n_layer) {
+                throw std::runtime_error("the pack has experts for layer " + std::to_string(il) + ", the model has " +
+                                         std::to_string(n_layer) + " layers (a pack of another model?)");
+            }
+            ggml_backend_dev_t dev = layer_devs && layer_devs[il] ? layer_devs[il] : cpu;
+            by_dev[dev].push_back(L.get());
+        }
+        ggml_init_params ip = {ggml_tensor_overhead() * (p->layers.size() * 5 + 8), nullptr, true};
+        p->arena_ctx = ggml_init(ip);
+        const double MiB = 1024.0 * 1024.0;
+        p->slots_min = INT32_MAX;
+        for (auto & [dev, ls] : by_dev) {
+            size_t free_mem = 0, total_mem = 0;
+            ggml_backend_dev_memory(dev, &free_mem, &total_mem);
+            if (free_mem == 0 && total_mem == 0 && cpu) {
+                ggml_backend_dev_memory(cpu, &free_mem, &total_mem);
+            }
+            const double reserve = p->cfg.cache_vram_reserve_mib * MiB;
+            const double avail = std::max(0.0, (double) free_mem - reserve);
+            const double budget = p->cfg.cache_vram_mib > 0 ? std::min(p->cfg.cache_vram_mib * MiB, avail) : avail;
+            double per_slot = 0, fixed = 0;
+            for (auto * L : ls) {
+                per_slot += (double) slot_stride_for(*L->layout);
+                fixed += (double) ARENA_TAIL_PAD;
+            }
+            // slots = floor(min(requested, free - reserve) / expert bytes), the same count in every layer
+            int64_t slots = (int64_t) ((budget - fixed) / per_slot);
+            slots = std::min<int64_t>(slots, p->man.n_experts);
+            if (slots < n_expert_used) {
+                char buf[512];
+                snprintf(buf, sizeof(buf),
+                         "expert cache too small on %s: %.1f MiB (cache_vram_mib %.1f, free %.0f MiB - reserve %.0f MiB) "
+                         "holds %lld slot(s) per layer for %zu layers of %.2f MiB experts; one token needs %d experts "
+                         "in each layer: at least %.1f MiB",
+                         ggml_backend_dev_name(dev), budget / MiB, p->cfg.cache_vram_mib, free_mem / MiB,
+                         p->cfg.cache_vram_reserve_mib, (long long) std::max<int64_t>(slots, 0), ls.size(),
+                         per_slot / ls.size() / MiB, n_expert_used, (per_slot * n_expert_used + fixed) / MiB);
+                throw std::runtime_error(buf);
+            }
+            ggml_backend_buffer_type_t buft = dev == cpu ? ggml_backend_cpu_buffer_type() : ggml_backend_dev_buffer_type(dev);
+            for (auto * L : ls) {
+                L->arena = alloc_arena(p->arena_ctx, buft, *L->layout, (int32_t) slots);
+                L->policy = std::make_unique<hybrid_policy>((int32_t) slots, p->man.n_experts);
+            }
+            p->slots_min = std::min<int32_t>(p->slots_min, (int32_t) slots);
+        }
+        // one step's distinct experts in a layer (<= k * n_tokens) must fit the layer's slots
+        p->max_ubatch = p->slots_min >= p->man.n_experts ? 0 : (uint32_t) (p->slots_min / std::max(1, n_expert_used));
+        p->attached = true;
+        p->last_layer = INT32_MAX;
+        return 0;
+    } catch (const std::exception & e) {
+        p->detach();
+        set_err(err, err_len, e.what());
+        return -1;
+    }
+}
+
+extern "C" void expert_pack_detach(expert_pack_provider * p) {
+    p->detach();
+}
+
+extern "C" expert_pack_layer * expert_pack_layer_of(const ggml_tensor * t) {
+    std::lock_guard<std::mutex> lk(g_registry_mu);
+    auto it = g_registry.find(t);
+    return it == g_registry.end() ? nullptr : it->second;
+}
+
+extern "C" ggml_tensor * expert_pack_layer_arena(expert_pack_layer * l, const ggml_tensor * t) {
+    for (size_t r = 0; r < l->meta.size(); ++r) {
+        if (l->meta[r] == t) {
+            return r < l->arena.roles.size() ? l->arena.roles[r] : nullptr;
+        }
+    }
+    return nullptr;
+}
+
+extern "C" void expert_pack_acquire(ggml_tensor * dst, int ith, int nth, void * userdata) {
+    (void) nth;
+    if (ith != 0) {  // every CPU thread runs every node; one does the work, the others wait at the barrier
+        return;
+    }
+    auto * L = (expert_pack_layer *) userdata;
+    L->owner->acquire(L, dst);
+}
+
+extern "C" int expert_pack_take_step_error(expert_pack_provider * p) {
+    std::lock_guard<std::mutex> lk(p->err_mu);
+    const bool f = p->failure_pending;
+    p->failure_pending = false;
+    return f ? 1 : 0;
+}
+
+// ---- the policy on its own ----------------------------------------------------------------------------------
+
+struct expert_pack_policy {
+    hybrid_policy policy;
+    int32_t n_experts;
+    std::vector<hybrid_policy::access> plan;
+};
+
+extern "C" expert_pack_policy * expert_pack_policy_new(int32_t n_slots, int32_t n_experts) {
+    if (n_slots <= 0 || n_experts <= 0) {
+        return nullptr;
+    }
+    return new expert_pack_policy{hybrid_policy(n_slots, n_experts), n_experts, {}};
+}
+
+extern "C" int expert_pack_policy_step(expert_pack_policy * pol, const int32_t * experts, int32_t n, int32_t * slots_out,
+                                       uint64_t * hits, uint64_t * misses, uint64_t * evictions) {
+    std::vector<int32_t> unique;
+    std::vector<char> seen(pol->n_experts, 0);
+    for (int32_t i = 0; i < n; ++i) {
+        if (experts[i] < 0 || experts[i] >= pol->n_experts) {
+            return -1;
+        }
+        if (!seen[experts[i]]) {
+            seen[experts[i]] = 1;
+            unique.push_back(experts[i]);
+        }
+    }
+    if (!pol->policy.step(unique, pol->plan)) {
+        return -1;
+    }
+    for (const auto & a : pol->plan) {
+        *hits += a.hit;
+        *misses += !a.hit;
+        *evictions += !a.hit && a.evicted >= 0;
+    }
+    for (int32_t i = 0; i < n; ++i) {
+        slots_out[i] = pol->policy.slot_of(experts[i]);
+    }
+    return 0;
+}
+
+extern "C" void expert_pack_policy_free(expert_pack_policy * pol) {
+    delete pol;
+}

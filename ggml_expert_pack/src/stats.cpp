@@ -1,0 +1,57 @@
+#include "stats.h"
+
+#include <cstdio>
+#include <unistd.h>
+
+namespace expert_pack {
+
+expert_pack_stats counters::snapshot() const {
+    expert_pack_stats s;
+    s.cache_hits = cache_hits.load();
+    s.cache_misses = cache_misses.load();
+    s.cache_evictions = cache_evictions.load();
+    s.pack_read_bytes = pack_read_bytes.load();
+    s.h2d_bytes = h2d_bytes.load();
+    s.fallback_count = fallback_count.load();
+    s.io_errors = io_errors.load();
+    s.steps = steps.load();
+    return s;
+}
+
+void counters::reset() {
+    cache_hits = cache_misses = cache_evictions = pack_read_bytes = h2d_bytes = fallback_count = io_errors = steps = 0;
+}
+
+std::string stats_json(const expert_pack_stats & s, const std::string & extra) {
+    const uint64_t keys = s.cache_hits + s.cache_misses;
+    char buf[1024];
+    snprintf(buf, sizeof(buf),
+             "{\"cache_hits\":%llu,\"cache_misses\":%llu,\"cache_evictions\":%llu,\"pack_read_bytes\":%llu,"
+             "\"h2d_bytes\":%llu,\"fallback_count\":%llu,\"io_errors\":%llu,\"steps\":%llu,\"hit_rate\":%.6f",
+             (unsigned long long) s.cache_hits, (unsigned long long) s.cache_misses,
+             (unsigned long long) s.cache_evictions, (unsigned long long) s.pack_read_bytes,
+             (unsigned long long) s.h2d_bytes, (unsigned long long) s.fallback_count,
+             (unsigned long long) s.io_errors, (unsigned long long) s.steps,
+             keys ? (double) s.cache_hits / (double) keys : 0.0);
+    std::string out = buf;
+    if (!extra.empty()) {
+        out += "," + extra;
+    }
+    return out + "}";
+}
+
+bool write_file_atomic(const std::string & path, const std::string & text) {
+    const std::string tmp = path + ".tmp." + std::to_string(getpid());
+    FILE * f = fopen(tmp.c_str(), "w");
+    if (!f) {
+        return false;
+    }
+    const bool ok = fwrite(text.data(), 1, text.size(), f) == text.size() && fputc('\n', f) != EOF;
+    if (fclose(f) != 0 || !ok) {
+        remove(tmp.c_str());
+        return false;
+    }
+    return rename(tmp.c_str(), path.c_str()) == 0;
+}
+
+}  // namespace expert_pack

@@ -1,0 +1,31 @@
+// The provider's counters (per unique (layer, expert) key per step) and the stats file.
+#pragma once
+
+#include "expert_pack.h"
+
+#include <atomic>
+#include <string>
+
+namespace expert_pack {
+
+struct counters {
+    std::atomic<uint64_t> cache_hits{0};
+    std::atomic<uint64_t> cache_misses{0};
+    std::atomic<uint64_t> cache_evictions{0};
+    std::atomic<uint64_t> pack_read_bytes{0};
+    std::atomic<uint64_t> h2d_bytes{0};
+    std::atomic<uint64_t> fallback_count{0};
+    std::atomic<uint64_t> io_errors{0};
+    std::atomic<uint64_t> steps{0};
+
+    expert_pack_stats snapshot() const;
+    void reset();
+};
+
+// The stats file's JSON: the counters, derived rates and `extra` (a JSON object's members, e.g. the geometry).
+std::string stats_json(const expert_pack_stats & s, const std::string & extra_members);
+
+// Write `text` to `path` atomically (temporary file + rename); false on failure.
+bool write_file_atomic(const std::string & path, const std::string & text);
+
+}  // namespace expert_pack
