@@ -430,6 +430,8 @@ extern "C" int expert_pack_attach(expert_pack_provider * p, int n_layer, ggml_ba
     } catch (const std::exception & e) {
         p->detach();
         set_err(err, err_len, e.what());
+        std::lock_guard<std::mutex> lk(p->err_mu);
+        p->last_error = e.what();  // llama.cpp only logs it; Python reads it here after a failed load
         return -1;
     }
 }

@@ -1,0 +1,120 @@
+"""Run a model through llama.cpp with and without an expert pack and collect the logits, for lossless checks
+(tests, the GPU script): a multi-token prompt in one batch, then greedy decode steps."""
+from __future__ import annotations
+
+import ctypes
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .packer.format import ALIGNMENT, load_manifest
+
+ARENA_TAIL_PAD = 64 * 1024  # ggml_expert_pack/src/arena.h
+
+
+def slot_stride(layer: dict) -> int:
+    """The cache's bytes per slot of a manifest layer (mirrors slot_stride_for in src/arena.cpp)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    unit = 256
+    for r in layer["roles"]:
+        unit = math.lcm(unit, GGML_QUANT_SIZES[GGMLQuantizationType(r["type_id"])][1])
+    return (layer["block_bytes"] + unit - 1) // unit * unit
+
+
+def cache_mib_for_slots(pack_dir, slots: int) -> float:
+    """The cache_vram_mib that gives exactly `slots` slots per layer."""
+    m = load_manifest(pack_dir)
+    need = sum(slot_stride(l) * slots + ARENA_TAIL_PAD for l in m["layers"])
+    return (need + ALIGNMENT) / 2**20  # a little above: floor() lands on `slots`
+
+
+@dataclass
+class Run:
+    logits: np.ndarray                 # (prompt_len + n_decode, n_vocab)
+    n_ubatch: int                      # what the context used (the pack may cap it)
+    tokens: list[int] = field(default_factory=list)
+    routing: list[dict] = field(default_factory=list)  # per graph compute: {layer: (n_tokens, k) expert ids}
+    error: int = 0                     # llama_decode's return code, if a step failed
+
+
+def run(model_path, provider=None, n_ubatch: int = 512, prompt_len: int = 12, n_decode: int = 32,
+        n_ctx: int = 256, n_gpu_layers: int = 0, record_routing: bool = False, n_threads: int = 2) -> Run:
+    """Prompt (`prompt_len` fixed tokens, one llama_decode) then `n_decode` greedy steps. Extra buffer types
+    are off (DESIGN.md trap 10) so that stock and the pack run the same kernels."""
+    import llama_cpp as lc
+    from llama_cpp._logger import set_verbose
+    from .routing.trace import GGMLTensor, _TOPK, _tensor_array
+
+    lc.llama_backend_init()
+    set_verbose(False)
+    mp = lc.llama_model_default_params()
+    mp.use_extra_bufts = False
+    mp.n_gpu_layers = n_gpu_layers
+    if provider is not None:
+        mp.expert_pack = provider.handle
+    model = lc.llama_model_load_from_file(str(model_path).encode(), mp)
+    if not model:
+        msg = provider.last_error if provider is not None else ""
+        raise RuntimeError(f"llama.cpp could not load {model_path}" + (f": {msg}" if msg else ""))
+    routing: list[dict] = []
+    cb = None
+    cp = lc.llama_context_default_params()
+    cp.n_ctx = n_ctx
+    cp.n_batch = n_ctx
+    cp.n_ubatch = n_ubatch
+    cp.n_threads = cp.n_threads_batch = n_threads
+    if record_routing:
+        from .libggml import lib_dir
+        ggml = ctypes.CDLL(str(lib_dir() / "libggml-base.so"))
+        ggml.ggml_backend_tensor_get.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]
+
+        @lc.ggml_backend_sched_eval_callback
+        def cb(t_ptr, ask, ud):
+            t = ctypes.cast(t_ptr, ctypes.POINTER(GGMLTensor)).contents
+            m = _TOPK.match(t.name)
+            if not m:
+                return False
+            if not ask:
+                layer = int(m.group(1))
+                if not routing or layer in routing[-1]:
+                    routing.append({})
+                routing[-1][layer] = _tensor_array(ggml, t, np.int32)
+            return True
+        cp.cb_eval = cb
+    ctx = lc.llama_init_from_model(model, cp)
+    if not ctx:
+        lc.llama_model_free(model)
+        raise RuntimeError("llama.cpp could not create a context")
+    try:
+        n_vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(model))
+        tokens = [(i * 7919) % 1000 + 100 for i in range(prompt_len)]
+        out = []
+        batch = lc.llama_batch_init(max(prompt_len, 1), 0, 1)
+        try:
+            for i, t in enumerate(tokens):
+                batch.token[i], batch.pos[i], batch.n_seq_id[i] = t, i, 1
+                batch.seq_id[i][0], batch.logits[i] = 0, True
+            batch.n_tokens = prompt_len
+            rc = lc.llama_decode(ctx, batch)
+            if rc == 0:
+                for i in range(prompt_len):
+                    out.append(np.ctypeslib.as_array(lc.llama_get_logits_ith(ctx, i), shape=(n_vocab,)).copy())
+                for step in range(n_decode):
+                    nxt = int(np.argmax(out[-1]))
+                    tokens.append(nxt)
+                    batch.token[0], batch.pos[0], batch.n_seq_id[0] = nxt, prompt_len + step, 1
+                    batch.seq_id[0][0], batch.logits[0] = 0, True
+                    batch.n_tokens = 1
+                    rc = lc.llama_decode(ctx, batch)
+                    if rc != 0:
+                        break
+                    out.append(np.ctypeslib.as_array(lc.llama_get_logits_ith(ctx, -1), shape=(n_vocab,)).copy())
+        finally:
+            lc.llama_batch_free(batch)
+        return Run(np.stack(out) if out else np.empty((0, n_vocab), np.float32), lc.llama_n_ubatch(ctx), tokens,
+                   routing, rc)
+    finally:
+        lc.llama_free(ctx)
+        lc.llama_model_free(model)
+        del cb
