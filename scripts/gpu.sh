@@ -35,12 +35,13 @@ log() { echo "[gpu.sh $(date +%H:%M:%S)] $*" >&2; }
 timed() {  # timed OUT NAME CMD...: run, log, and record the wall time
   local out=$1 name=$2; shift 2
   mkdir -p "$out"
-  local t0=$(date +%s.%N)
+  local t0=$(date +%s%N)
   log "stage $name: start"
   "$@" > >(tee "$out/$name.log") 2>&1
   local rc=$?
-  local dt=$(echo "$(date +%s.%N) - $t0" | bc)
-  printf "%s\t%.1f\t%d\n" "$name" "$dt" "$rc" >> "$out/stages.tsv"
+  local ms=$(( ($(date +%s%N) - t0) / 1000000 ))
+  local dt="$((ms / 1000)).$(( (ms % 1000) / 100 ))"
+  printf "%s\t%s\t%d\n" "$name" "$dt" "$rc" >> "$out/stages.tsv"
   log "stage $name: exit $rc after ${dt}s"
   return $rc
 }
