@@ -7,12 +7,14 @@
 #include "config.h"
 #include "io_engine.h"
 #include "manifest.h"
+#include "staging.h"
 #include "stats.h"
 
 #include "ggml-backend.h"
 #include "ggml.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <map>
@@ -59,6 +61,7 @@ struct expert_pack_layer {
     const layer_layout * layout = nullptr;
     std::vector<ggml_tensor *> meta;  // shape/type-only tensors, in the layout's role order (null until created)
     layer_arena arena;
+    staging * stage = nullptr;        // the staging buffers of the layer's device
     std::unique_ptr<hybrid_policy> policy;
     std::vector<hybrid_policy::access> plan;  // scratch
 };
@@ -67,8 +70,8 @@ struct expert_pack_provider {
     config cfg;
     manifest man;
     std::unique_ptr<io_engine> io;
-    std::vector<std::unique_ptr<aligned_buffer>> staging;
-    size_t next_stage = 0;
+    uint64_t max_read = 0;
+    std::vector<std::unique_ptr<staging>> stages;  // one set per device that holds arenas
     std::map<int32_t, std::unique_ptr<expert_pack_layer>> layers;  // by model layer index
     std::unordered_map<std::string, std::pair<expert_pack_layer *, size_t>> by_tensor;  // name -> (layer, role)
     ggml_context * meta_ctx = nullptr;
@@ -102,7 +105,9 @@ struct expert_pack_provider {
         for (auto & [_, l] : layers) {
             free_arena(l->arena);
             l->policy.reset();
+            l->stage = nullptr;
         }
+        stages.clear();
         if (arena_ctx) {
             ggml_free(arena_ctx);
             arena_ctx = nullptr;
@@ -121,13 +126,14 @@ struct expert_pack_provider {
                         ",\"max_ubatch\":" + std::to_string(max_ubatch) +
                         ",\"cache_bytes\":" + std::to_string(cache_bytes) +
                         ",\"direct_io\":" + (io && io->direct() ? "true" : "false") +
+                        ",\"pinned_staging\":" + (!stages.empty() && stages.front()->pinned() ? "true" : "false") +
                         ",\"config\":" + cfg.to_json();
         return s;
     }
 
     void flush_stats() {
         if (!cfg.stats_path.empty()) {
-            write_file_atomic(cfg.stats_path, stats_json(stats.snapshot(), geometry_json()));
+            write_file_atomic(cfg.stats_path, stats_json(stats.snapshot(), stats, geometry_json()));
         }
     }
 
@@ -141,7 +147,18 @@ struct expert_pack_provider {
     void acquire(expert_pack_layer * L, ggml_tensor * dst);
 };
 
+using clk = std::chrono::steady_clock;
+
+static uint64_t ns_since(clk::time_point t0) {
+    return (uint64_t) std::chrono::duration_cast<std::chrono::nanoseconds>(clk::now() - t0).count();
+}
+
 void expert_pack_provider::acquire(expert_pack_layer * L, ggml_tensor * dst) {
+    const auto t_start = clk::now();
+    struct timer {  // acquire_ns covers every return path
+        counters & c; clk::time_point t0;
+        ~timer() { c.acquire_ns += ns_since(t0); }
+    } total{stats, t_start};
     const layer_layout & lay = *L->layout;
     const ggml_tensor * ids = dst->src[0];
     const int64_t k = ids->ne[0];
@@ -201,12 +218,16 @@ void expert_pack_provider::acquire(expert_pack_layer * L, ggml_tensor * dst) {
             continue;
         }
         try {
-            aligned_buffer & stage = *staging[next_stage++ % staging.size()];
-            io->read(stage.ptr, lay.expert_offset(a.expert), lay.read_bytes);
+            auto t0 = clk::now();
+            uint8_t * buf = L->stage->acquire();
+            stats.copy_wait_ns += ns_since(t0);
+            t0 = clk::now();
+            io->read(buf, lay.expert_offset(a.expert), lay.read_bytes);
+            stats.read_ns += ns_since(t0);
             stats.pack_read_bytes += lay.read_bytes;
             if (cfg.verify_pack_sha256) {
                 uint8_t sum[16];
-                expert_pack_xxh3_128(stage.ptr, lay.block_bytes, sum);
+                expert_pack_xxh3_128(buf, lay.block_bytes, sum);
                 if (memcmp(sum, lay.checksums[a.expert].data(), 16) != 0) {
                     throw io_error("checksum mismatch in layer " + std::to_string(lay.layer) + " expert " +
                                    std::to_string(a.expert) + " (pack offset " +
@@ -214,7 +235,7 @@ void expert_pack_provider::acquire(expert_pack_layer * L, ggml_tensor * dst) {
                                    to_hex(lay.checksums[a.expert].data(), 16) + ", read " + to_hex(sum, 16));
                 }
             }
-            arena_store(L->arena, a.slot, stage.ptr, lay.block_bytes);
+            L->stage->store(L->arena, a.slot, lay.block_bytes);  // asynchronous on a GPU
             stats.h2d_bytes += lay.block_bytes;
             ++misses;
             evictions += a.evicted >= 0;
@@ -223,6 +244,7 @@ void expert_pack_provider::acquire(expert_pack_layer * L, ggml_tensor * dst) {
             for (size_t j = i; j < L->plan.size(); ++j) {
                 if (!L->plan[j].hit) L->policy->invalidate(L->plan[j].slot);
             }
+            L->stage->finish();  // staging buffers are reused only after their copies
             stats.io_errors++;
             stats.cache_hits += hits;
             stats.cache_misses += misses;
@@ -232,6 +254,9 @@ void expert_pack_provider::acquire(expert_pack_layer * L, ggml_tensor * dst) {
             return;
         }
     }
+    const auto t_wait = clk::now();
+    L->stage->finish();  // every copy complete before the slot ids reach the compute stream
+    stats.copy_wait_ns += ns_since(t_wait);
     stats.cache_hits += hits;
     stats.cache_misses += misses;
     stats.cache_evictions += evictions;
@@ -268,12 +293,8 @@ extern "C" expert_pack_provider * expert_pack_open(const char * config_json, cha
             p->io->read(header.ptr, 0, PACK_HEADER_SIZE);
             check_pack_header(header.ptr, p->io->file_size(), p->man);
         }
-        uint64_t max_read = 0;
         for (const auto & l : p->man.layers) {
-            max_read = std::max(max_read, l.read_bytes);
-        }
-        for (int i = 0; i < p->cfg.stage_slots; ++i) {
-            p->staging.push_back(std::make_unique<aligned_buffer>(max_read));
+            p->max_read = std::max(p->max_read, l.read_bytes);
         }
         ggml_init_params ip = {ggml_tensor_overhead() * (p->man.layers.size() * 4 + 8), nullptr, true};
         p->meta_ctx = ggml_init(ip);
@@ -316,7 +337,7 @@ extern "C" void expert_pack_reset_cache(expert_pack_provider * p) {
 }
 
 extern "C" size_t expert_pack_stats_json(const expert_pack_provider * p, char * buf, size_t len) {
-    const std::string s = stats_json(p->stats.snapshot(), p->geometry_json());
+    const std::string s = stats_json(p->stats.snapshot(), p->stats, p->geometry_json());
     if (buf && len > s.size()) {
         memcpy(buf, s.c_str(), s.size() + 1);
     }
@@ -416,9 +437,11 @@ extern "C" int expert_pack_attach(expert_pack_provider * p, int n_layer, ggml_ba
                 throw std::runtime_error(buf);
             }
             ggml_backend_buffer_type_t buft = dev == cpu ? ggml_backend_cpu_buffer_type() : ggml_backend_dev_buffer_type(dev);
+            p->stages.push_back(std::make_unique<staging>(dev, p->cfg.stage_slots, p->max_read));
             for (auto * L : ls) {
                 L->arena = alloc_arena(p->arena_ctx, buft, *L->layout, (int32_t) slots);
                 L->policy = std::make_unique<hybrid_policy>((int32_t) slots, p->man.n_experts);
+                L->stage = p->stages.back().get();
             }
             p->slots_min = std::min<int32_t>(p->slots_min, (int32_t) slots);
         }

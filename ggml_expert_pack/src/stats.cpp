@@ -20,9 +20,10 @@ expert_pack_stats counters::snapshot() const {
 
 void counters::reset() {
     cache_hits = cache_misses = cache_evictions = pack_read_bytes = h2d_bytes = fallback_count = io_errors = steps = 0;
+    acquire_ns = read_ns = copy_wait_ns = 0;
 }
 
-std::string stats_json(const expert_pack_stats & s, const std::string & extra) {
+std::string stats_json(const expert_pack_stats & s, const counters & c, const std::string & extra) {
     const uint64_t keys = s.cache_hits + s.cache_misses;
     char buf[1024];
     snprintf(buf, sizeof(buf),
@@ -34,6 +35,9 @@ std::string stats_json(const expert_pack_stats & s, const std::string & extra) {
              (unsigned long long) s.io_errors, (unsigned long long) s.steps,
              keys ? (double) s.cache_hits / (double) keys : 0.0);
     std::string out = buf;
+    snprintf(buf, sizeof(buf), ",\"acquire_ms\":%.3f,\"read_ms\":%.3f,\"copy_wait_ms\":%.3f",
+             c.acquire_ns.load() / 1e6, c.read_ns.load() / 1e6, c.copy_wait_ns.load() / 1e6);
+    out += buf;
     if (!extra.empty()) {
         out += "," + extra;
     }

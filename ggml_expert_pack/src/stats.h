@@ -17,13 +17,18 @@ struct counters {
     std::atomic<uint64_t> fallback_count{0};
     std::atomic<uint64_t> io_errors{0};
     std::atomic<uint64_t> steps{0};
+    // where acquire time goes (the step profile of docs/BENCHMARKS.md)
+    std::atomic<uint64_t> acquire_ns{0};    // inside the graph op, all of it
+    std::atomic<uint64_t> read_ns{0};       // inside pack reads
+    std::atomic<uint64_t> copy_wait_ns{0};  // waiting for copies into the cache to complete
 
     expert_pack_stats snapshot() const;
     void reset();
 };
 
-// The stats file's JSON: the counters, derived rates and `extra` (a JSON object's members, e.g. the geometry).
-std::string stats_json(const expert_pack_stats & s, const std::string & extra_members);
+// The stats file's JSON: the counters, derived rates, the timings and `extra` (a JSON object's members, e.g.
+// the geometry).
+std::string stats_json(const expert_pack_stats & s, const counters & c, const std::string & extra_members);
 
 // Write `text` to `path` atomically (temporary file + rename); false on failure.
 bool write_file_atomic(const std::string & path, const std::string & text);

@@ -1,0 +1,236 @@
+#!/usr/bin/env python3
+"""First speed figures: decode and prefill with an expert pack against stock llama.cpp on the same GPU.
+
+    python scripts/bench_decode.py --model M.gguf --pack DIR --out RESULTS [--cache-fraction 0.14]
+
+Runs, on the 30B-A3B-shaped synthetic qwen3moe (generated and packed first if missing):
+  stock    all weights on the GPU (n_gpu_layers=-1), no pack: the all-hit ceiling
+  pack     expert cache of --cache-fraction of the experts, O_DIRECT reads (the product)
+  all-hit  the pack with every expert cached and warm: what the hook itself costs
+Prefill is a prompt of natural text in one llama_decode; decode is teacher-forced natural text, one token
+per llama_decode (a random model's own greedy output repeats itself, which would make the cache look better
+than it is). Also measured in the same run: O_DIRECT read bandwidth at expert granularity (random blocks).
+Writes decode.json into --out and prints a table.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+def drop_caches() -> bool:
+    try:
+        os.sync()
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def odirect_bandwidth(pack_dir: Path, n_blocks: int = 256, seed: int = 0) -> dict:
+    """Random whole-expert reads from the pack with O_DIRECT, one thread (what a cache miss does)."""
+    from ggml_expert_pack.packer.format import layers_from_manifest, load_manifest
+    m = load_manifest(pack_dir)
+    layers = layers_from_manifest(m)
+    rng = random.Random(seed)
+    size = max(l.read_bytes for l in layers)
+    buf = mmap.mmap(-1, size)
+    fd = os.open(pack_dir / m["pack"]["file"], os.O_RDONLY | os.O_DIRECT)
+    try:
+        total, t0 = 0, time.perf_counter()
+        for _ in range(n_blocks):
+            l = rng.choice(layers)
+            e = rng.randrange(m["n_experts"])
+            total += os.preadv(fd, [memoryview(buf)[:l.read_bytes]], l.expert_offset(e))
+        dt = time.perf_counter() - t0
+    finally:
+        os.close(fd)
+    return {"bytes": total, "seconds": dt, "bytes_per_s": total / dt, "block_bytes": size}
+
+
+def tokenize(model: Path, text: str) -> list[int]:
+    import llama_cpp as lc
+    lc.llama_backend_init()
+    mp = lc.llama_model_default_params()
+    mp.vocab_only = True
+    m = lc.llama_model_load_from_file(str(model).encode(), mp)
+    try:
+        b = text.encode()
+        buf = (lc.llama_token * (len(b) + 16))()
+        n = lc.llama_tokenize(lc.llama_model_get_vocab(m), b, len(b), buf, len(buf), True, False)
+        return list(buf[:n])
+    finally:
+        lc.llama_model_free(m)
+
+
+class Session:
+    """One model + context, for timing prefill and single-token decode steps."""
+
+    def __init__(self, model: Path, provider=None, n_ctx: int = 2048, n_ubatch: int = 512):
+        import llama_cpp as lc
+        from llama_cpp._logger import set_verbose
+        self.lc = lc
+        lc.llama_backend_init()
+        set_verbose(False)
+        mp = lc.llama_model_default_params()
+        mp.n_gpu_layers = -1
+        if provider is not None:
+            mp.expert_pack = provider.handle
+        t0 = time.perf_counter()
+        self.model = lc.llama_model_load_from_file(str(model).encode(), mp)
+        if not self.model:
+            raise RuntimeError("load failed" + (f": {provider.last_error}" if provider else ""))
+        self.load_s = time.perf_counter() - t0
+        cp = lc.llama_context_default_params()
+        cp.n_ctx, cp.n_batch, cp.n_ubatch = n_ctx, n_ctx, n_ubatch
+        cp.n_threads = cp.n_threads_batch = os.cpu_count() or 8
+        self.ctx = lc.llama_init_from_model(self.model, cp)
+        self.n_ubatch = lc.llama_n_ubatch(self.ctx)
+        self.batch = lc.llama_batch_init(n_ctx, 0, 1)
+        self.pos = 0
+
+    def reset(self) -> None:
+        self.lc.llama_memory_clear(self.lc.llama_get_memory(self.ctx), True)
+        self.pos = 0
+
+    def decode(self, tokens: list[int]) -> float:
+        b = self.batch
+        for i, t in enumerate(tokens):
+            b.token[i], b.pos[i], b.n_seq_id[i] = t, self.pos + i, 1
+            b.seq_id[i][0], b.logits[i] = 0, i == len(tokens) - 1
+        b.n_tokens = len(tokens)
+        t0 = time.perf_counter()
+        rc = self.lc.llama_decode(self.ctx, b)
+        self.lc.llama_synchronize(self.ctx)
+        dt = time.perf_counter() - t0
+        if rc != 0:
+            raise RuntimeError(f"llama_decode returned {rc}")
+        self.pos += len(tokens)
+        return dt
+
+    def close(self) -> None:
+        self.lc.llama_batch_free(self.batch)
+        self.lc.llama_free(self.ctx)
+        self.lc.llama_model_free(self.model)
+
+
+def measure(model: Path, tokens: list[int], n_prefill: int, n_decode: int, provider=None, warm: bool = False) -> dict:
+    s = Session(model, provider)
+    try:
+        out = {"load_s": s.load_s, "n_ubatch": s.n_ubatch}
+        prompt, follow = tokens[:n_prefill], tokens[n_prefill:n_prefill + n_decode]
+        if warm:  # a first pass fills the cache; the measured pass starts from it
+            s.decode(prompt)
+            for t in follow:
+                s.decode([t])
+            s.reset()
+        if provider:
+            provider.reset_stats()
+        out["prefill_s"] = s.decode(prompt)
+        out["prefill_tok_s"] = len(prompt) / out["prefill_s"]
+        if provider:
+            out["prefill_stats"] = provider.stats()
+            provider.reset_stats()
+        steps = [s.decode([t]) for t in follow]
+        out["decode_step_ms"] = 1e3 * float(np.median(steps))
+        out["decode_tok_s"] = len(steps) / sum(steps)
+        if provider:
+            st = provider.stats()
+            out["decode_stats"] = st
+            n = len(steps)
+            out["hit_rate"] = st["hit_rate"]
+            out["pack_bytes_per_token"] = st["pack_read_bytes"] / n
+            out["read_bw_bytes_per_s"] = st["pack_read_bytes"] / (st["read_ms"] / 1e3) if st["read_ms"] else None
+            out["per_step_ms"] = {k: st[k] / n for k in ("acquire_ms", "read_ms", "copy_wait_ms")}
+        return out
+    finally:
+        s.close()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", type=Path, required=True)
+    ap.add_argument("--pack", type=Path, required=True)
+    ap.add_argument("--out", type=Path, default=Path("."))
+    ap.add_argument("--cache-fraction", type=float, default=0.14)
+    ap.add_argument("--prefill", type=int, default=512)
+    ap.add_argument("--pack-prefill", type=int, default=64, help="prefill tokens for the capped-ubatch pack run")
+    ap.add_argument("--decode", type=int, default=64)
+    ap.add_argument("--shape", default="30b-a3b")
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    from ggml_expert_pack.lossless import cache_mib_for_slots
+    from ggml_expert_pack.packer import build
+    from ggml_expert_pack.packer.format import load_manifest
+    from ggml_expert_pack.pybind.provider import Provider
+    from ggml_expert_pack.routing import PROMPTS
+
+    res: dict = {"date": time.strftime("%Y-%m-%d %H:%M"), "cpus": os.cpu_count()}
+    if not args.model.exists():
+        t0 = time.time()
+        subprocess.run([sys.executable, "-m", "ggml_expert_pack.cli", "synth", str(args.model), "--shape", args.shape,
+                        "--quiet"], check=True)
+        res["synth_s"] = time.time() - t0
+    if not (args.pack / "manifest.json").exists():
+        res["pack_build_s"] = build(args.model, args.pack, force=True).seconds
+    m = load_manifest(args.pack)
+    n_exp = m["n_experts"]
+    slots = max(8, round(args.cache_fraction * n_exp))
+    res["model_bytes"] = args.model.stat().st_size
+    res["cache_slots_per_layer"] = slots
+    res["cache_fraction"] = slots / n_exp
+
+    tokens = tokenize(args.model, " ".join(PROMPTS))
+    need = args.prefill + args.decode
+    tokens = (tokens * (need // len(tokens) + 1))[:need]
+
+    res["stock"] = measure(args.model, tokens, args.prefill, args.decode)
+    res["drop_caches"] = drop_caches()
+    res["odirect"] = odirect_bandwidth(args.pack)
+
+    p = Provider.open(args.pack, cache_vram_mib=cache_mib_for_slots(args.pack, slots), cache_vram_reserve_mib=0)
+    try:
+        drop_caches()
+        res["pack"] = measure(args.model, tokens[:args.pack_prefill] + tokens[args.prefill:],
+                              args.pack_prefill, args.decode, p)
+    finally:
+        p.close()
+    p = Provider.open(args.pack, cache_vram_reserve_mib=0)
+    try:
+        res["all_hit"] = measure(args.model, tokens, args.prefill, args.decode, p, warm=True)
+    finally:
+        p.close()
+
+    st, pk, ah = res["stock"], res["pack"], res["all_hit"]
+    res["all_hit_over_stock_decode"] = ah["decode_tok_s"] / st["decode_tok_s"]
+    if pk.get("read_bw_bytes_per_s"):
+        res["read_bw_over_odirect"] = pk["read_bw_bytes_per_s"] / res["odirect"]["bytes_per_s"]
+    (args.out / "decode.json").write_text(json.dumps(res, indent=2) + "\n")
+
+    gb = 1e9
+    print(f"model {res['model_bytes'] / gb:.1f} GB, cache {slots}/{n_exp} experts per layer "
+          f"({100 * res['cache_fraction']:.0f}%), O_DIRECT random-block read {res['odirect']['bytes_per_s'] / gb:.2f} GB/s")
+    print(f"{'run':<9} {'prefill tok/s':>13} {'decode tok/s':>12} {'step ms':>8} {'hit rate':>8} {'MB/token':>9} {'read GB/s':>9}")
+    for name, r in (("stock", st), ("pack", pk), ("all-hit", ah)):
+        hr = f"{r['hit_rate']:.3f}" if "hit_rate" in r else "-"
+        mb = f"{r['pack_bytes_per_token'] / 1e6:.1f}" if "pack_bytes_per_token" in r else "-"
+        bw = f"{r['read_bw_bytes_per_s'] / gb:.2f}" if r.get("read_bw_bytes_per_s") else "-"
+        print(f"{name:<9} {r['prefill_tok_s']:13.1f} {r['decode_tok_s']:12.2f} {r['decode_step_ms']:8.2f} {hr:>8} {mb:>9} {bw:>9}")
+    print(f"all-hit decode / stock: {res['all_hit_over_stock_decode']:.2f}; pack read bandwidth / O_DIRECT: "
+          f"{res.get('read_bw_over_odirect', float('nan')):.2f}; pack prefill ran at n_ubatch {pk['n_ubatch']}")
+    print("pack per decode step (ms):", {k: round(v, 3) for k, v in pk.get("per_step_ms", {}).items()},
+          "all-hit:", {k: round(v, 3) for k, v in ah.get("per_step_ms", {}).items()})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
