@@ -85,6 +85,9 @@ EXPERT_PACK_API int expert_pack_attach(expert_pack_provider * p, int n_layer,
 EXPERT_PACK_API void expert_pack_detach(expert_pack_provider * p);
 // The layer handle of a packed expert tensor (NULL if `t` is not one).
 EXPERT_PACK_API expert_pack_layer * expert_pack_layer_of(const struct ggml_tensor * t);
+// Non-zero when every expert of the layer is cached in slot == expert (preloaded when the whole layer fits):
+// the graph then uses the router's ids directly and needs no acquire op (no per-step work, no counters).
+EXPERT_PACK_API int expert_pack_layer_resident(const expert_pack_layer * l);
 // The cache arena view that replaces expert tensor `t` in mul_mat_id (ne[2] = slots).
 EXPERT_PACK_API struct ggml_tensor * expert_pack_layer_arena(expert_pack_layer * l, const struct ggml_tensor * t);
 // The graph op (ggml_custom_4d, userdata = the layer handle): expert ids (src[0], I32 [k, n_tokens]) ->

@@ -62,6 +62,7 @@ struct expert_pack_layer {
     std::vector<ggml_tensor *> meta;  // shape/type-only tensors, in the layout's role order (null until created)
     layer_arena arena;
     staging * stage = nullptr;        // the staging buffers of the layer's device
+    bool resident = false;            // every expert preloaded into slot == expert: no per-step work at all
     std::unique_ptr<hybrid_policy> policy;
     std::vector<hybrid_policy::access> plan;  // scratch
 };
@@ -106,6 +107,7 @@ struct expert_pack_provider {
             free_arena(l->arena);
             l->policy.reset();
             l->stage = nullptr;
+            l->resident = false;
         }
         stages.clear();
         if (arena_ctx) {
@@ -120,7 +122,12 @@ struct expert_pack_provider {
         for (const auto & [_, l] : layers) {
             if (l->arena.buffer) cache_bytes += ggml_backend_buffer_get_size(l->arena.buffer);
         }
+        size_t n_resident = 0;
+        for (const auto & [_, l] : layers) {
+            n_resident += l->resident;
+        }
         std::string s = "\"pack_id\":\"" + man.pack_id + "\",\"n_layers\":" + std::to_string(layers.size()) +
+                        ",\"resident_layers\":" + std::to_string(n_resident) +
                         ",\"n_experts\":" + std::to_string(man.n_experts) +
                         ",\"slots_per_layer\":" + std::to_string(slots_min) +
                         ",\"max_ubatch\":" + std::to_string(max_ubatch) +
@@ -145,7 +152,33 @@ struct expert_pack_provider {
     }
 
     void acquire(expert_pack_layer * L, ggml_tensor * dst);
+    void preload(expert_pack_layer * L);
 };
+
+// Every expert of the layer fits: load them all now into slot == expert. The graph then reads the cache with
+// the router's own ids and the CPU round trip of the hook disappears (all-hit speed).
+void expert_pack_provider::preload(expert_pack_layer * L) {
+    const layer_layout & lay = *L->layout;
+    for (int32_t e = 0; e < man.n_experts; ++e) {
+        uint8_t * buf = L->stage->acquire();
+        io->read(buf, lay.expert_offset(e), lay.read_bytes);
+        stats.pack_read_bytes += lay.read_bytes;
+        if (cfg.verify_pack_sha256) {
+            uint8_t sum[16];
+            expert_pack_xxh3_128(buf, lay.block_bytes, sum);
+            if (memcmp(sum, lay.checksums[e].data(), 16) != 0) {
+                stats.io_errors++;
+                throw io_error("checksum mismatch in layer " + std::to_string(lay.layer) + " expert " + std::to_string(e) +
+                               " (pack offset " + std::to_string(lay.expert_offset(e)) + ")");
+            }
+        }
+        L->stage->store(L->arena, e, lay.block_bytes);
+        stats.h2d_bytes += lay.block_bytes;
+        stats.cache_misses++;
+    }
+    L->stage->finish();
+    L->resident = true;
+}
 
 using clk = std::chrono::steady_clock;
 
@@ -442,6 +475,9 @@ extern "C" int expert_pack_attach(expert_pack_provider * p, int n_layer, ggml_ba
                 L->arena = alloc_arena(p->arena_ctx, buft, *L->layout, (int32_t) slots);
                 L->policy = std::make_unique<hybrid_policy>((int32_t) slots, p->man.n_experts);
                 L->stage = p->stages.back().get();
+                if (slots >= p->man.n_experts) {
+                    p->preload(L);
+                }
             }
             p->slots_min = std::min<int32_t>(p->slots_min, (int32_t) slots);
         }
@@ -467,6 +503,10 @@ extern "C" expert_pack_layer * expert_pack_layer_of(const ggml_tensor * t) {
     std::lock_guard<std::mutex> lk(g_registry_mu);
     auto it = g_registry.find(t);
     return it == g_registry.end() ? nullptr : it->second;
+}
+
+extern "C" int expert_pack_layer_resident(const expert_pack_layer * l) {
+    return l->resident ? 1 : 0;
 }
 
 extern "C" ggml_tensor * expert_pack_layer_arena(expert_pack_layer * l, const ggml_tensor * t) {
