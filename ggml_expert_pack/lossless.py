@@ -1,5 +1,6 @@
-"""Run a model through llama.cpp with and without an expert pack and collect the logits, for lossless checks
-(tests, the GPU script): a multi-token prompt in one batch, then greedy decode steps."""
+"""Run a model through llama.cpp with and without an expert pack: `run` collects the logits of a prompt and
+greedy decode steps (lossless checks in the tests and the GPU script); `Session` keeps a model and a context
+for timed or repeated requests (benchmarks, fault tests)."""
 from __future__ import annotations
 
 import ctypes
@@ -118,3 +119,75 @@ def run(model_path, provider=None, n_ubatch: int = 512, prompt_len: int = 12, n_
         lc.llama_free(ctx)
         lc.llama_model_free(model)
         del cb
+
+
+class Session:
+    """A loaded model and one context (low-level llama.cpp), reused across requests."""
+
+    def __init__(self, model_path, provider=None, n_ctx: int = 2048, n_ubatch: int = 512, n_gpu_layers: int = -1,
+                 n_threads: int = 0):
+        import os
+
+        import llama_cpp as lc
+        from llama_cpp._logger import set_verbose
+        self.lc = lc
+        lc.llama_backend_init()
+        set_verbose(False)
+        mp = lc.llama_model_default_params()
+        mp.n_gpu_layers = n_gpu_layers
+        mp.use_extra_bufts = False
+        if provider is not None:
+            mp.expert_pack = provider.handle
+        import time
+        t0 = time.perf_counter()
+        self.model = lc.llama_model_load_from_file(str(model_path).encode(), mp)
+        if not self.model:
+            msg = provider.last_error if provider is not None else ""
+            raise RuntimeError(f"llama.cpp could not load {model_path}" + (f": {msg}" if msg else ""))
+        self.load_s = time.perf_counter() - t0
+        cp = lc.llama_context_default_params()
+        cp.n_ctx, cp.n_batch, cp.n_ubatch = n_ctx, n_ctx, n_ubatch
+        cp.n_threads = cp.n_threads_batch = n_threads or os.cpu_count() or 4
+        self.ctx = lc.llama_init_from_model(self.model, cp)
+        if not self.ctx:
+            lc.llama_model_free(self.model)
+            raise RuntimeError("llama.cpp could not create a context")
+        self.n_ubatch = lc.llama_n_ubatch(self.ctx)
+        self.n_vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(self.model))
+        self.batch = lc.llama_batch_init(n_ctx, 0, 1)
+        self.pos = 0
+
+    def reset(self) -> None:
+        """Forget the conversation (a new request)."""
+        self.lc.llama_memory_clear(self.lc.llama_get_memory(self.ctx), True)
+        self.pos = 0
+
+    def decode(self, tokens: list[int]) -> int:
+        """One llama_decode of `tokens` (logits for the last one); returns its status (0 = success)."""
+        b = self.batch
+        for i, t in enumerate(tokens):
+            b.token[i], b.pos[i], b.n_seq_id[i] = t, self.pos + i, 1
+            b.seq_id[i][0], b.logits[i] = 0, i == len(tokens) - 1
+        b.n_tokens = len(tokens)
+        rc = self.lc.llama_decode(self.ctx, b)
+        self.lc.llama_synchronize(self.ctx)
+        if rc == 0:
+            self.pos += len(tokens)
+        return rc
+
+    def logits(self) -> np.ndarray:
+        return np.ctypeslib.as_array(self.lc.llama_get_logits_ith(self.ctx, -1), shape=(self.n_vocab,)).copy()
+
+    def generate(self, prompt: list[int], n: int) -> tuple[list[int], int]:
+        """Greedy: the prompt in one decode, then n tokens. Returns (tokens produced, status of the last decode)."""
+        out: list[int] = []
+        rc = self.decode(prompt)
+        while rc == 0 and len(out) < n:
+            out.append(int(np.argmax(self.logits())))
+            rc = self.decode([out[-1]])
+        return out, rc
+
+    def close(self) -> None:
+        self.lc.llama_batch_free(self.batch)
+        self.lc.llama_free(self.ctx)
+        self.lc.llama_model_free(self.model)

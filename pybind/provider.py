@@ -113,6 +113,16 @@ class Provider:
         self._check()
         return lib().expert_pack_max_ubatch(self._h)
 
+    def inject_eio(self, after_reads: int) -> None:
+        """Test seam: after `after_reads` more block reads, reads fail with EIO; -1 disarms."""
+        self._check()
+        lib().expert_pack_test_inject_eio(self._h, after_reads)
+
+    @property
+    def pack_id(self) -> str:
+        self._check()
+        return ffi().string(lib().expert_pack_id(self._h)).decode()
+
     def close(self) -> None:
         """Free the provider. Only after every model using it is freed."""
         if self._h is not None:

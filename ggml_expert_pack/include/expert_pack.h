@@ -70,6 +70,11 @@ EXPERT_PACK_API int32_t  expert_pack_slots_per_layer(const expert_pack_provider 
 EXPERT_PACK_API uint32_t expert_pack_max_ubatch(const expert_pack_provider * p);
 
 // ---- llama.cpp integration (the patched libllama calls these) --------------------------------------------
+// Check that the model file belongs with this pack: a trunk must carry this pack's pack_id; an original GGUF
+// (or the first shard of one) must be the pack's source (its fingerprint). 0 if it does; -1 with the cause in err.
+EXPERT_PACK_API int expert_pack_check_model(expert_pack_provider * p, const char * path, char * err, size_t err_len);
+// The pack's identity (pack_id, 32 hex digits).
+EXPERT_PACK_API const char * expert_pack_id(const expert_pack_provider * p);
 // Whether `name` is a routed-expert tensor held by the pack.
 EXPERT_PACK_API int expert_pack_has_tensor(const expert_pack_provider * p, const char * name);
 // The shape/type-only tensor standing for a packed expert tensor (never allocated, never read). `ne` is the
@@ -95,6 +100,9 @@ EXPERT_PACK_API struct ggml_tensor * expert_pack_layer_arena(expert_pack_layer *
 EXPERT_PACK_API void expert_pack_acquire(struct ggml_tensor * dst, int ith, int nth, void * userdata);
 // Non-zero if a step failed since the last call (which clears the flag); the message is expert_pack_last_error.
 EXPERT_PACK_API int expert_pack_take_step_error(expert_pack_provider * p);
+
+// Test seam: after `n` more block reads, every read fails with EIO until called again with -1.
+EXPERT_PACK_API void expert_pack_test_inject_eio(expert_pack_provider * p, int64_t n);
 
 // ---- the cache policy on its own (unit tests, simulators) -------------------------------------------------
 typedef struct expert_pack_policy expert_pack_policy;

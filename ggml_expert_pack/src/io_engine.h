@@ -35,6 +35,9 @@ public:
     void read(void * dst, uint64_t off, size_t len);
 
     uint64_t file_size() const { return size_; }
+
+    // Test seam: after `n` more successful reads, reads fail with EIO (as a failing disk does); -1 disarms.
+    void inject_eio_after(int64_t n) { eio_after_ = n; }
     bool direct() const { return direct_; }
     uint64_t retried_short_reads() const { return short_reads_.load(); }
 
@@ -48,6 +51,7 @@ private:
     int splits_ = 1;
     uint64_t size_ = 0;
     std::atomic<uint64_t> short_reads_{0};
+    std::atomic<int64_t> eio_after_{-1};
 
     // sub-read workers (read_splits - 1 of them; the caller does one part itself)
     std::vector<std::thread> workers_;

@@ -12,13 +12,16 @@
 
 #include "ggml-backend.h"
 #include "ggml.h"
+#include "gguf.h"
 
 #include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <map>
 #include <memory>
+#include <regex>
 #include <mutex>
 #include <stdexcept>
 #include <string>
@@ -389,6 +392,91 @@ extern "C" uint32_t expert_pack_max_ubatch(const expert_pack_provider * p) {
     return p->max_ubatch;
 }
 
+// XXH3-128 over each shard's header bytes [0, data_offset) followed by its size (docs/FORMAT.md)
+static std::string source_fingerprint(const std::vector<std::string> & paths) {
+    expert_pack_hasher * h = expert_pack_hasher_new();
+    std::string err;
+    for (const auto & path : paths) {
+        gguf_init_params ip = {true, nullptr};
+        gguf_context * g = gguf_init_from_file(path.c_str(), ip);
+        if (!g) {
+            err = "cannot read the GGUF header of " + path;
+            break;
+        }
+        const size_t off = gguf_get_data_offset(g);
+        gguf_free(g);
+        std::ifstream f(path, std::ios::binary | std::ios::ate);
+        const uint64_t size = (uint64_t) f.tellg();
+        std::vector<char> head(off);
+        f.seekg(0);
+        f.read(head.data(), (std::streamsize) off);
+        expert_pack_hasher_update(h, head.data(), off);
+        expert_pack_hasher_update(h, &size, 8);
+    }
+    uint8_t d[16];
+    expert_pack_hasher_digest(h, d);
+    expert_pack_hasher_free(h);
+    if (!err.empty()) {
+        throw std::runtime_error(err);
+    }
+    return to_hex(d, 16);
+}
+
+extern "C" int expert_pack_check_model(expert_pack_provider * p, const char * path, char * err, size_t err_len) {
+    try {
+        gguf_init_params ip = {true, nullptr};
+        gguf_context * g = gguf_init_from_file(path, ip);
+        if (!g) {
+            throw std::runtime_error(std::string("cannot read ") + path + " as GGUF");
+        }
+        std::string trunk_id;
+        uint16_t n_split = 1;
+        if (int64_t k = gguf_find_key(g, "expert_pack.pack_id"); k >= 0) {
+            trunk_id = gguf_get_val_str(g, k);
+        }
+        if (int64_t k = gguf_find_key(g, "split.count"); k >= 0) {
+            n_split = gguf_get_val_u16(g, k);
+        }
+        gguf_free(g);
+        if (!trunk_id.empty()) {
+            if (trunk_id != p->man.pack_id) {
+                throw std::runtime_error(std::string(path) + " is the trunk of another pack (pack_id " + trunk_id +
+                                         "; the expert pack is " + p->man.pack_id + ")");
+            }
+            return 0;
+        }
+        std::vector<std::string> paths = {path};
+        if (n_split > 1) {
+            std::smatch mt;
+            const std::string s(path);
+            static const std::regex re("^(.*)-00001-of-(\\d{5})\\.gguf$");
+            if (!std::regex_match(s, mt, re)) {
+                throw std::runtime_error(s + " declares " + std::to_string(n_split) + " shards but is not the first one");
+            }
+            for (int i = 1; i < n_split; ++i) {
+                char buf[32];
+                snprintf(buf, sizeof(buf), "-%05d-of-%05d.gguf", i + 1, (int) n_split);
+                paths.push_back(mt[1].str() + buf);
+            }
+        }
+        const std::string fp = source_fingerprint(paths);
+        if (fp != p->man.source_fingerprint) {
+            throw std::runtime_error(std::string(path) + " is not the model this pack was built from (source fingerprint " +
+                                     fp + ", the pack's is " + p->man.source_fingerprint + ")");
+        }
+        return 0;
+    } catch (const std::exception & e) {
+        set_err(err, err_len, e.what());
+        std::lock_guard<std::mutex> lk(p->err_mu);
+        p->last_error = e.what();
+        return -1;
+    }
+}
+
+extern "C" const char * expert_pack_id(const expert_pack_provider * p) {
+    return p->man.pack_id.c_str();
+}
+
 extern "C" int expert_pack_has_tensor(const expert_pack_provider * p, const char * name) {
     return p->by_tensor.count(name) ? 1 : 0;
 }
@@ -525,6 +613,10 @@ extern "C" void expert_pack_acquire(ggml_tensor * dst, int ith, int nth, void * 
     }
     auto * L = (expert_pack_layer *) userdata;
     L->owner->acquire(L, dst);
+}
+
+extern "C" void expert_pack_test_inject_eio(expert_pack_provider * p, int64_t n) {
+    p->io->inject_eio_after(n);
 }
 
 extern "C" int expert_pack_take_step_error(expert_pack_provider * p) {

@@ -1,0 +1,145 @@
+"""Runtime completeness on CPU (issue 6): trunk + pack without the original, mismatched trios refused, I/O
+faults mid-generation that fail the request and recover."""
+from __future__ import annotations
+
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+from ggml_expert_pack.lossless import Session, cache_mib_for_slots, run
+from ggml_expert_pack.packer import build
+from ggml_expert_pack.packer.format import PACK_FILE, TRUNK_FILE, layers_from_manifest, load_manifest
+from ggml_expert_pack.pybind.provider import Provider
+from conftest import TINY
+
+ARCHS = list(TINY)
+PROMPT, DECODE = 64, 32
+
+
+@pytest.fixture(scope="module")
+def packs(synth_model, tmp_path_factory):
+    root = tmp_path_factory.mktemp("trunk-packs")
+    cache = {}
+
+    def get(arch, **over):
+        key = (arch, tuple(sorted(over.items())))
+        if key not in cache:
+            src = synth_model(arch, **over)
+            cache[key] = (src, build(src, root / f"{arch}-{len(cache)}").pack_dir)
+        return cache[key]
+    return get
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("slots", [4, None], ids=["min", "all-fit"])
+def test_trunk_plus_pack_equals_stock_on_the_original(packs, arch, slots):
+    src, pack = packs(arch)
+    cfg = dict(cache_vram_reserve_mib=0)
+    if slots:
+        cfg["cache_vram_mib"] = cache_mib_for_slots(pack, slots)
+    p = Provider.open(pack, **cfg)
+    try:
+        r = run(pack / TRUNK_FILE, p, prompt_len=PROMPT, n_decode=DECODE)
+    finally:
+        p.close()
+    assert r.error == 0
+    stock = run(src, None, prompt_len=PROMPT, n_decode=DECODE, n_ubatch=r.n_ubatch)
+    assert r.tokens == stock.tokens
+    assert np.array_equal(r.logits, stock.logits)
+
+
+def test_trunk_without_its_pack_is_refused_clearly(packs):
+    _, pack = packs("qwen3moe")
+    with pytest.raises(RuntimeError, match="could not load"):
+        run(pack / TRUNK_FILE, None, n_decode=1)
+
+
+def test_trunk_of_another_pack_is_refused(packs):
+    _, pack = packs("qwen3moe")
+    _, other = packs("qwen3moe", expert_type="q8_0")
+    p = Provider.open(pack)
+    try:
+        with pytest.raises(RuntimeError, match="trunk of another pack"):
+            run(other / TRUNK_FILE, p, n_decode=1)
+    finally:
+        p.close()
+
+
+def test_original_that_is_not_the_source_is_refused(packs):
+    _, pack = packs("qwen3moe")
+    other_src, _ = packs("qwen3moe", expert_type="q8_0")
+    p = Provider.open(pack)
+    try:
+        with pytest.raises(RuntimeError, match="not the model this pack was built from"):
+            run(other_src, p, n_decode=1)
+    finally:
+        p.close()
+
+
+# ---- I/O faults mid-generation ------------------------------------------------------------------------------
+
+def _tokens(n, seed=0):
+    return [(i * 7919 + seed * 31) % 1000 + 100 for i in range(n)]
+
+
+def test_eio_mid_generation_fails_the_request_then_recovers(packs):
+    src, pack = packs("qwen3moe")
+    ref = Session(src, n_gpu_layers=0, n_ubatch=2)
+    want, rc = ref.generate(_tokens(8), 24)
+    ref.close()
+    assert rc == 0
+    p = Provider.open(pack, cache_vram_mib=cache_mib_for_slots(pack, 9), cache_vram_reserve_mib=0)
+    s = Session(pack / TRUNK_FILE, p, n_gpu_layers=0)
+    try:
+        assert s.n_ubatch == 2
+        got, rc = s.generate(_tokens(8), 6)
+        assert rc == 0 and got == want[:6]
+        p.inject_eio(3)                           # the disk fails mid-generation, after 3 more block reads
+        while rc == 0 and len(got) < 24:
+            got.append(int(np.argmax(s.logits())))
+            rc = s.decode([got[-1]])
+        assert rc != 0 and len(got) < 24          # the request fails at a step that needed the disk
+        assert got == want[:len(got)]             # every token produced came from complete data
+        c = p.counters()
+        assert c["io_errors"] == 1 and "Input/output error" in p.last_error
+        assert s.decode([want[0]]) != 0           # still failing: every read fails
+        p.inject_eio(-1)                          # the disk is readable again: the next request is served
+        s.reset()
+        again, rc = s.generate(_tokens(8), 24)
+        assert rc == 0 and again == want
+        print(f"\nEIO: {c}; after recovery: {p.counters()}")
+    finally:
+        s.close()
+        p.close()
+
+
+def test_truncated_pack_mid_generation_fails_then_recovers(packs, tmp_path):
+    src, pack0 = packs("qwen3moe")
+    pack = tmp_path / "pack"
+    shutil.copytree(pack0, pack)
+    ref = Session(src, n_gpu_layers=0, n_ubatch=2)
+    want, _ = ref.generate(_tokens(8, 1), 16)
+    ref.close()
+    p = Provider.open(pack, cache_vram_mib=cache_mib_for_slots(pack, 9), cache_vram_reserve_mib=0)
+    s = Session(pack / TRUNK_FILE, p, n_gpu_layers=0)
+    try:
+        got, rc = s.generate(_tokens(8, 1), 4)
+        assert rc == 0 and got == want[:4]
+        # the pack loses its second half while the model runs
+        path = pack / PACK_FILE
+        keep = path.stat().st_size
+        tail = path.read_bytes()[keep // 2:]
+        os.truncate(path, keep // 2)
+        p.reset_cache()
+        rc = s.decode([got[-1]])
+        assert rc != 0 and "truncated" in p.last_error and p.counters()["io_errors"] >= 1
+        with open(path, "ab") as f:  # restored
+            f.write(tail)
+        s.reset()
+        again, rc = s.generate(_tokens(8, 1), 16)
+        assert rc == 0 and again == want
+    finally:
+        s.close()
+        p.close()
