@@ -24,9 +24,11 @@ def slot_stride(layer: dict) -> int:
 
 
 def cache_mib_for_slots(pack_dir, slots: int) -> float:
-    """The cache_vram_mib that gives exactly `slots` slots per layer."""
+    """The cache_vram_mib that gives exactly `slots` slots per layer (a partial cache also holds one all-zero
+    slot for rounds, src/provider.cpp)."""
     m = load_manifest(pack_dir)
-    need = sum(slot_stride(l) * slots + ARENA_TAIL_PAD for l in m["layers"])
+    arena_slots = slots if slots >= m["n_experts"] else slots + 1
+    need = sum(slot_stride(l) * arena_slots + ARENA_TAIL_PAD for l in m["layers"])
     return (need + ALIGNMENT) / 2**20  # a little above: floor() lands on `slots`
 
 

@@ -59,8 +59,8 @@ def test_lossless_bit_for_bit(model_and_pack, kind, slots):
         p.close()
     assert with_pack.error == 0
     assert slots_per_layer == (slots or 16)
-    # the pack caps the ubatch so that one step's experts fit; stock runs the same batches
-    assert with_pack.n_ubatch == {K: 1, 2 * K + 1: 2, None: 256}[slots]
+    # no ubatch cap: a step whose experts exceed the slots is served in rounds (the prompt stays one batch)
+    assert with_pack.n_ubatch == 256
     stock = run(src, None, n_ubatch=with_pack.n_ubatch)
     assert stock.tokens == with_pack.tokens
     assert with_pack.logits.shape == (12 + 32, 151936)
@@ -85,6 +85,8 @@ def test_lossless_bit_for_bit(model_and_pack, kind, slots):
     total_slots = slots_per_layer * len(m["layers"])
     assert stats["cache_misses"] - stats["cache_evictions"] <= total_slots  # free slots are filled once
     assert stats["cache_evictions"] >= stats["cache_misses"] - total_slots > 0
+    # the 12-token prompt needs up to 16 experts per layer: more than the slots, so it was served in rounds
+    assert stats["fallback_count"] > 0
 
 
 def test_read_splits_stage_slots_and_buffered_io_are_lossless(model_and_pack):

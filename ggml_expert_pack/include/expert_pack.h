@@ -65,7 +65,8 @@ EXPERT_PACK_API void expert_pack_reset_cache(expert_pack_provider * p);
 EXPERT_PACK_API size_t expert_pack_stats_json(const expert_pack_provider * p, char * buf, size_t len);
 // The last runtime error ("" if none). Set when a step fails (an I/O error, a checksum mismatch).
 EXPERT_PACK_API const char * expert_pack_last_error(const expert_pack_provider * p);
-// Slots per MoE layer and the largest ubatch whose unique experts always fit (0: no limit), once attached.
+// Slots per MoE layer, and the largest ubatch the context must use (0: no limit; a limit only when steps
+// cannot be split into rounds), once attached.
 EXPERT_PACK_API int32_t  expert_pack_slots_per_layer(const expert_pack_provider * p);
 EXPERT_PACK_API uint32_t expert_pack_max_ubatch(const expert_pack_provider * p);
 
@@ -95,8 +96,17 @@ EXPERT_PACK_API expert_pack_layer * expert_pack_layer_of(const struct ggml_tenso
 EXPERT_PACK_API int expert_pack_layer_resident(const expert_pack_layer * l);
 // The cache arena view that replaces expert tensor `t` in mul_mat_id (ne[2] = slots).
 EXPERT_PACK_API struct ggml_tensor * expert_pack_layer_arena(expert_pack_layer * l, const struct ggml_tensor * t);
-// The graph op (ggml_custom_4d, userdata = the layer handle): expert ids (src[0], I32 [k, n_tokens]) ->
-// cache slot ids (dst, same shape), loading misses before it returns.
+// How many rounds a step of `n_tokens` needs in this layer: 1 when its distinct experts always fit the slots;
+// otherwise the experts are served in groups of at most `slots`, one acquire op per round (the other pairs of
+// a round point at an all-zero slot and the rounds' outputs are summed).
+EXPERT_PACK_API int32_t expert_pack_layer_rounds(expert_pack_layer * l, int64_t n_tokens);
+// The userdata of round `round` of `n_rounds` for the acquire op (stable while attached).
+EXPERT_PACK_API void * expert_pack_layer_round(expert_pack_layer * l, int32_t round, int32_t n_rounds);
+// Steps may not be split into rounds (per-expert biases would make the zero slot's output non-zero): the
+// context caps its ubatch instead. Call before creating contexts.
+EXPERT_PACK_API void expert_pack_disable_rounds(expert_pack_provider * p);
+// The graph op (ggml_custom_4d, userdata from expert_pack_layer_round): expert ids (src[0], I32 [k, n_tokens])
+// -> cache slot ids (dst, same shape), loading this round's misses before it returns.
 EXPERT_PACK_API void expert_pack_acquire(struct ggml_tensor * dst, int ith, int nth, void * userdata);
 // Non-zero if a step failed since the last call (which clears the flag); the message is expert_pack_last_error.
 EXPERT_PACK_API int expert_pack_take_step_error(expert_pack_provider * p);

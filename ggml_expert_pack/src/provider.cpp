@@ -59,6 +59,12 @@ std::unordered_map<const ggml_tensor *, expert_pack_layer *> g_registry;
 
 }  // namespace
 
+struct expert_pack_round {
+    expert_pack_layer * layer;
+    int32_t index;
+    int32_t count;
+};
+
 struct expert_pack_layer {
     expert_pack_provider * owner = nullptr;
     const layer_layout * layout = nullptr;
@@ -67,7 +73,10 @@ struct expert_pack_layer {
     staging * stage = nullptr;        // the staging buffers of the layer's device
     bool resident = false;            // every expert preloaded into slot == expert: no per-step work at all
     std::unique_ptr<hybrid_policy> policy;
+    int32_t zero_slot = -1;           // an all-zero slot after the policy's slots: a round's other pairs read it
     std::vector<hybrid_policy::access> plan;  // scratch
+    std::vector<int32_t> step_order;  // the step's distinct experts, cached ones first (round 0 fills it)
+    std::map<std::pair<int32_t, int32_t>, std::unique_ptr<expert_pack_round>> rounds;
 };
 
 struct expert_pack_provider {
@@ -81,6 +90,7 @@ struct expert_pack_provider {
     ggml_context * meta_ctx = nullptr;
     ggml_context * arena_ctx = nullptr;
     bool attached = false;
+    bool rounds_allowed = true;
     int32_t slots_min = 0;
     uint32_t max_ubatch = 0;
     int32_t n_expert_used = 0;
@@ -89,6 +99,7 @@ struct expert_pack_provider {
     std::mutex err_mu;
     std::string last_error;
     bool step_failed = false;     // the current step failed: its remaining layers skip their loads
+    uint64_t counted_short_reads = 0;
     bool failure_pending = false; // reported by expert_pack_take_step_error
     int32_t last_layer = INT32_MAX;
 
@@ -111,6 +122,8 @@ struct expert_pack_provider {
             l->policy.reset();
             l->stage = nullptr;
             l->resident = false;
+            l->zero_slot = -1;
+            l->rounds.clear();
         }
         stages.clear();
         if (arena_ctx) {
@@ -154,7 +167,7 @@ struct expert_pack_provider {
         failure_pending = true;
     }
 
-    void acquire(expert_pack_layer * L, ggml_tensor * dst);
+    void acquire(expert_pack_layer * L, int32_t round, int32_t n_rounds, ggml_tensor * dst);
     void preload(expert_pack_layer * L);
 };
 
@@ -189,7 +202,7 @@ static uint64_t ns_since(clk::time_point t0) {
     return (uint64_t) std::chrono::duration_cast<std::chrono::nanoseconds>(clk::now() - t0).count();
 }
 
-void expert_pack_provider::acquire(expert_pack_layer * L, ggml_tensor * dst) {
+void expert_pack_provider::acquire(expert_pack_layer * L, int32_t round, int32_t n_rounds, ggml_tensor * dst) {
     const auto t_start = clk::now();
     struct timer {  // acquire_ns covers every return path
         counters & c; clk::time_point t0;
@@ -201,8 +214,8 @@ void expert_pack_provider::acquire(expert_pack_layer * L, ggml_tensor * dst) {
     const int64_t n_tokens = ids->ne[1];
     int32_t * out = (int32_t *) dst->data;
 
-    // a new graph compute starts where the layers wrap around
-    if (lay.layer <= last_layer) {
+    // a new graph compute starts where the layers wrap around (later rounds belong to their round 0's step)
+    if (round == 0 && lay.layer <= last_layer) {
         step_failed = false;
         const uint64_t step = ++stats.steps;
         if (!cfg.stats_path.empty() && step % (uint64_t) cfg.stats_flush_interval == 0) {
@@ -211,32 +224,44 @@ void expert_pack_provider::acquire(expert_pack_layer * L, ggml_tensor * dst) {
     }
     last_layer = lay.layer;
 
-    auto fill_zero = [&] { std::fill(out, out + k * n_tokens, 0); };
+    // on failure every pair points at a harmless slot: the step is reported failed and its outputs unused
+    auto fill_zero = [&] { std::fill(out, out + k * n_tokens, std::max(L->zero_slot, 0)); };
     if (step_failed || !L->policy) {
         if (!L->policy) fail_step("expert pack is not attached to a model");
         fill_zero();
         return;
     }
 
-    // the distinct experts of this step, in first-use order
-    std::vector<int32_t> unique;
-    unique.reserve(std::min<int64_t>(k * n_tokens, man.n_experts));
-    std::vector<char> seen(man.n_experts, 0);
-    for (int64_t t = 0; t < n_tokens; ++t) {
-        const int32_t * row = (const int32_t *) ((const char *) ids->data + t * ids->nb[1]);
-        for (int64_t j = 0; j < k; ++j) {
-            const int32_t e = row[j];
-            if (e < 0 || e >= man.n_experts) {
-                fail_step("layer " + std::to_string(lay.layer) + ": router chose expert " + std::to_string(e) +
-                          ", the pack has " + std::to_string(man.n_experts));
-                fill_zero();
-                return;
-            }
-            if (!seen[e]) {
-                seen[e] = 1;
-                unique.push_back(e);
+    // the distinct experts of this step, in first-use order, those already cached first (so that a round's
+    // group reuses the cache); later rounds take their group from the order round 0 fixed
+    if (round == 0) {
+        std::vector<int32_t> cached, missing;
+        std::vector<char> seen(man.n_experts, 0);
+        for (int64_t t = 0; t < n_tokens; ++t) {
+            const int32_t * row = (const int32_t *) ((const char *) ids->data + t * ids->nb[1]);
+            for (int64_t j = 0; j < k; ++j) {
+                const int32_t e = row[j];
+                if (e < 0 || e >= man.n_experts) {
+                    fail_step("layer " + std::to_string(lay.layer) + ": router chose expert " + std::to_string(e) +
+                              ", the pack has " + std::to_string(man.n_experts));
+                    fill_zero();
+                    return;
+                }
+                if (!seen[e]) {
+                    seen[e] = 1;
+                    (L->policy->slot_of(e) >= 0 ? cached : missing).push_back(e);
+                }
             }
         }
+        L->step_order = std::move(cached);
+        L->step_order.insert(L->step_order.end(), missing.begin(), missing.end());
+    }
+    const size_t per_round = n_rounds == 1 ? L->step_order.size() : (size_t) L->policy->n_slots();
+    const size_t begin = std::min(L->step_order.size(), (size_t) round * per_round);
+    const std::vector<int32_t> unique(L->step_order.begin() + begin,
+                                      L->step_order.begin() + std::min(L->step_order.size(), begin + per_round));
+    if (n_rounds > 1 && round > 0 && !unique.empty()) {
+        stats.fallback_count++;  // a step split into rounds (counted once per extra round with work)
     }
 
     if (!L->policy->step(unique, L->plan)) {
@@ -296,12 +321,18 @@ void expert_pack_provider::acquire(expert_pack_layer * L, ggml_tensor * dst) {
     stats.cache_hits += hits;
     stats.cache_misses += misses;
     stats.cache_evictions += evictions;
-    stats.fallback_count = io->retried_short_reads();
+    const uint64_t short_reads = io->retried_short_reads();
+    stats.fallback_count += short_reads - counted_short_reads;
+    counted_short_reads = short_reads;
 
+    std::vector<char> in_round(man.n_experts, 0);
+    for (int32_t e : unique) {
+        in_round[e] = 1;
+    }
     for (int64_t t = 0; t < n_tokens; ++t) {
         const int32_t * row = (const int32_t *) ((const char *) ids->data + t * ids->nb[1]);
         for (int64_t j = 0; j < k; ++j) {
-            out[t * k + j] = L->policy->slot_of(row[j]);
+            out[t * k + j] = in_round[row[j]] ? L->policy->slot_of(row[j]) : L->zero_slot;
         }
     }
 }
@@ -544,7 +575,11 @@ extern "C" int expert_pack_attach(expert_pack_provider * p, int n_layer, ggml_ba
                 fixed += (double) ARENA_TAIL_PAD;
             }
             // slots = floor(min(requested, free - reserve) / expert bytes), the same count in every layer
+            // (the all-zero slot of a partial cache is counted as one more slot)
             int64_t slots = (int64_t) ((budget - fixed) / per_slot);
+            if (slots < p->man.n_experts) {
+                slots -= 1;
+            }
             slots = std::min<int64_t>(slots, p->man.n_experts);
             if (slots < n_expert_used) {
                 char buf[512];
@@ -559,18 +594,22 @@ extern "C" int expert_pack_attach(expert_pack_provider * p, int n_layer, ggml_ba
             }
             ggml_backend_buffer_type_t buft = dev == cpu ? ggml_backend_cpu_buffer_type() : ggml_backend_dev_buffer_type(dev);
             p->stages.push_back(std::make_unique<staging>(dev, p->cfg.stage_slots, p->max_read));
+            const bool all_fit = slots >= p->man.n_experts;
             for (auto * L : ls) {
-                L->arena = alloc_arena(p->arena_ctx, buft, *L->layout, (int32_t) slots);
+                // a partial cache gets one extra, all-zero slot for rounds (inside the budget's tail padding)
+                L->arena = alloc_arena(p->arena_ctx, buft, *L->layout, (int32_t) slots + (all_fit ? 0 : 1));
+                L->zero_slot = all_fit ? -1 : (int32_t) slots;
                 L->policy = std::make_unique<hybrid_policy>((int32_t) slots, p->man.n_experts);
                 L->stage = p->stages.back().get();
-                if (slots >= p->man.n_experts) {
+                if (all_fit) {
                     p->preload(L);
                 }
             }
             p->slots_min = std::min<int32_t>(p->slots_min, (int32_t) slots);
         }
-        // one step's distinct experts in a layer (<= k * n_tokens) must fit the layer's slots
-        p->max_ubatch = p->slots_min >= p->man.n_experts ? 0 : (uint32_t) (p->slots_min / std::max(1, n_expert_used));
+        // without rounds, one step's distinct experts in a layer (<= k * n_tokens) must fit the layer's slots
+        p->max_ubatch = p->slots_min >= p->man.n_experts || p->rounds_allowed
+                      ? 0 : (uint32_t) (p->slots_min / std::max(1, n_expert_used));
         p->attached = true;
         p->last_layer = INT32_MAX;
         return 0;
@@ -606,13 +645,38 @@ extern "C" ggml_tensor * expert_pack_layer_arena(expert_pack_layer * l, const gg
     return nullptr;
 }
 
+extern "C" int32_t expert_pack_layer_rounds(expert_pack_layer * l, int64_t n_tokens) {
+    const expert_pack_provider * p = l->owner;
+    if (!l->policy || l->resident || !p->rounds_allowed) {
+        return 1;
+    }
+    const int64_t needed = std::min<int64_t>(p->man.n_experts, (int64_t) p->n_expert_used * n_tokens);
+    const int64_t slots = l->policy->n_slots();
+    return (int32_t) std::max<int64_t>(1, (needed + slots - 1) / slots);
+}
+
+extern "C" void * expert_pack_layer_round(expert_pack_layer * l, int32_t round, int32_t n_rounds) {
+    auto & r = l->rounds[{round, n_rounds}];
+    if (!r) {
+        r = std::make_unique<expert_pack_round>(expert_pack_round{l, round, n_rounds});
+    }
+    return r.get();
+}
+
+extern "C" void expert_pack_disable_rounds(expert_pack_provider * p) {
+    p->rounds_allowed = false;
+    if (p->attached) {
+        p->max_ubatch = p->slots_min >= p->man.n_experts ? 0 : (uint32_t) (p->slots_min / std::max(1, p->n_expert_used));
+    }
+}
+
 extern "C" void expert_pack_acquire(ggml_tensor * dst, int ith, int nth, void * userdata) {
     (void) nth;
     if (ith != 0) {  // every CPU thread runs every node; one does the work, the others wait at the barrier
         return;
     }
-    auto * L = (expert_pack_layer *) userdata;
-    L->owner->acquire(L, dst);
+    auto * r = (expert_pack_round *) userdata;
+    r->layer->owner->acquire(r->layer, r->index, r->count, dst);
 }
 
 extern "C" void expert_pack_test_inject_eio(expert_pack_provider * p, int64_t n) {
