@@ -244,6 +244,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_inspect(sub)
     add_synth(sub)
     add_routing_stats(sub)
+    from .server.main import add_serve
+    add_serve(sub)
     return ap
 
 

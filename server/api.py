@@ -1,0 +1,381 @@
+"""The HTTP API: OpenAI's /v1 endpoints and llama-server's own, over one Engine.
+
+Every error is an OpenAI-style body `{"error": {"message", "type", "param", "code"}}` with a 4xx/5xx status;
+a bad request never takes the server down. Streams are Server-Sent Events; a client that goes away is noticed
+between tokens (waitress's `client_disconnected`) and its generation stops.
+"""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from pathlib import Path
+
+from flask import Flask, Response, request
+
+from .engine import Cancelled, Engine, RequestError, Result
+
+STATIC = Path(__file__).parent / "static"
+
+
+def _error(message: str, status: int = 400, param: str | None = None, code: str | None = None,
+           kind: str | None = None) -> Response:
+    kind = kind or ("invalid_request_error" if status < 500 else "server_error")
+    if status == 404 and code is None:
+        code = "not_found"
+    body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
+    return Response(json.dumps(body), status=status, mimetype="application/json")
+
+
+# --- request parsing: strict types, the parameter named in every complaint -----------------------------------
+
+def _body() -> dict:
+    raw = request.get_data(cache=True)
+    try:
+        body = json.loads(raw or b"{}")
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise RequestError(f"the request body is not valid JSON: {e}") from e
+    if not isinstance(body, dict):
+        raise RequestError("the request body must be a JSON object")
+    return body
+
+
+def _get(body: dict, key: str, types, default=None, *, lo=None, hi=None, nullable=True):
+    v = body.get(key, default)
+    if v is None:
+        if not nullable and key in body:
+            raise RequestError(f"'{key}' must not be null", key)
+        return default
+    ok = isinstance(v, types) and not (isinstance(v, bool) and bool not in (types if isinstance(types, tuple)
+                                                                           else (types,)))
+    if not ok:
+        names = "/".join(t.__name__ for t in (types if isinstance(types, tuple) else (types,)))
+        raise RequestError(f"'{key}' must be {names}, got {type(v).__name__}", key)
+    if lo is not None and v < lo:
+        raise RequestError(f"'{key}' must be >= {lo}, got {v}", key)
+    if hi is not None and v > hi:
+        raise RequestError(f"'{key}' must be <= {hi}, got {v}", key)
+    return v
+
+
+def _stop(body: dict) -> list[str]:
+    s = body.get("stop")
+    if s is None:
+        return []
+    if isinstance(s, str):
+        return [s] if s else []
+    if isinstance(s, list) and all(isinstance(x, str) for x in s) and len(s) <= 16:
+        return [x for x in s if x]
+    raise RequestError("'stop' must be a string or a list of at most 16 strings", "stop")
+
+
+def _sampling(body: dict) -> dict:
+    return dict(temperature=float(_get(body, "temperature", (int, float), 1.0, lo=0, hi=2)),
+                top_p=float(_get(body, "top_p", (int, float), 1.0, lo=0, hi=1)),
+                top_k=int(_get(body, "top_k", int, 0, lo=0)),
+                seed=_get(body, "seed", int, None))
+
+
+def create_app(engine: Engine, *, model_path: str = "", stats=None) -> Flask:
+    """`stats()` -> the expert-pack counters (dict), or None when no pack is used."""
+    app = Flask(__name__, static_folder=None)
+    app.config["JSON_SORT_KEYS"] = False
+    started = int(time.time())
+
+    def check_model(body: dict) -> None:
+        name = _get(body, "model", str, None)
+        if name is not None and name not in (engine.alias, Path(model_path).name, model_path):
+            raise RequestError(f"The model '{name}' does not exist; this server serves '{engine.alias}'", "model",
+                               status=404, code="model_not_found")
+
+    def disconnected():
+        probe = request.environ.get("waitress.client_disconnected")
+        return probe if probe is not None else (lambda: False)
+
+    @app.errorhandler(RequestError)
+    def on_request_error(e: RequestError):
+        return _error(str(e), e.status, e.param, e.code)
+
+    @app.errorhandler(404)
+    def on_404(e):
+        return _error(f"no such endpoint: {request.method} {request.path}", 404)
+
+    @app.errorhandler(405)
+    def on_405(e):
+        return _error(f"{request.method} is not allowed on {request.path}", 405)
+
+    @app.errorhandler(Exception)
+    def on_exception(e):
+        from werkzeug.exceptions import HTTPException
+        if isinstance(e, HTTPException):
+            return _error(e.description or e.name, e.code or 500)
+        app.logger.exception("request failed")
+        return _error(f"internal error: {type(e).__name__}: {e}", 500)
+
+    def sse(events):
+        def gen():
+            try:
+                for ev in events:
+                    yield f"data: {json.dumps(ev)}\n\n"
+            except Cancelled:
+                return
+        return Response(gen(), mimetype="text/event-stream",
+                        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    # --- OpenAI --------------------------------------------------------------------------------------------
+    @app.get("/v1/models")
+    @app.get("/models")
+    def models():
+        return {"object": "list", "data": [{"id": engine.alias, "object": "model", "created": started,
+                                            "owned_by": "expert-pack"}]}
+
+    def openai_prompt(body: dict) -> list[int]:
+        p = body.get("prompt")
+        if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str):
+            p = p[0]
+        if isinstance(p, str):
+            return engine.tokenize(p)
+        if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+            engine.detokenize(p)  # validates the ids
+            return list(p)
+        raise RequestError("'prompt' must be a string, a list of one string, or a list of token ids", "prompt")
+
+    def max_tokens_of(body: dict, default):
+        mt = _get(body, "max_completion_tokens", int, None, lo=0)
+        if mt is None:
+            mt = _get(body, "max_tokens", int, default, lo=0)
+        return mt
+
+    @app.post("/v1/completions")
+    @app.post("/completions")
+    def completions():
+        body = _body()
+        check_model(body)
+        prompt = openai_prompt(body)
+        n = engine.check_budget(len(prompt), max_tokens_of(body, 16), "max_tokens")
+        kw = dict(_sampling(body), stop=_stop(body))
+        stream = _get(body, "stream", bool, False)
+        cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+
+        def chunk(text, finish):
+            return {"id": cid, "object": "text_completion", "created": created, "model": engine.alias,
+                    "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]}
+
+        def usage(r: Result):
+            return {"prompt_tokens": len(prompt), "completion_tokens": r.timings.predicted_n,
+                    "total_tokens": len(prompt) + r.timings.predicted_n}
+
+        r = Result()
+        pieces = engine.generate(prompt, n, r, cancelled=disconnected(), **kw)
+        if not stream:
+            for _ in pieces:
+                pass
+            out = chunk(r.text, r.finish_reason or "length")
+            out["usage"] = usage(r)
+            return out
+
+        def events():
+            for piece in pieces:
+                yield chunk(piece, None)
+            last = chunk("", r.finish_reason or "length")
+            last["usage"] = usage(r)
+            yield last
+        return _sse_done(sse(events()))
+
+    @app.post("/v1/chat/completions")
+    @app.post("/chat/completions")
+    def chat_completions():
+        body = _body()
+        check_model(body)
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise RequestError("'messages' must be a non-empty list", "messages")
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                raise RequestError(f"messages[{i}] must be an object with a string 'role'", f"messages[{i}]")
+            c = m.get("content")
+            if isinstance(c, list):  # content parts: keep the text ones
+                if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                           for p in c):
+                    raise RequestError(f"messages[{i}].content: only text parts are supported", f"messages[{i}]")
+                messages[i] = {**m, "content": "".join(p["text"] for p in c)}
+            elif not isinstance(c, str) and c is not None:
+                raise RequestError(f"messages[{i}].content must be a string", f"messages[{i}]")
+        text, template_stop = engine.chat_prompt(messages)
+        prompt = engine.tokenize(text, add_special=False)
+        if prompt and engine.llm.token_bos() >= 0 and engine.llm._model.add_bos_token() and \
+                prompt[0] != engine.llm.token_bos():
+            prompt = [engine.llm.token_bos()] + prompt
+        n = engine.check_budget(len(prompt), max_tokens_of(body, None), "max_tokens")
+        kw = dict(_sampling(body), stop=_stop(body) + template_stop)
+        stream = _get(body, "stream", bool, False)
+        cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        r = Result()
+        pieces = engine.generate(prompt, n, r, cancelled=disconnected(), **kw)
+
+        def usage():
+            return {"prompt_tokens": len(prompt), "completion_tokens": r.timings.predicted_n,
+                    "total_tokens": len(prompt) + r.timings.predicted_n}
+
+        if not stream:
+            for _ in pieces:
+                pass
+            return {"id": cid, "object": "chat.completion", "created": created, "model": engine.alias,
+                    "choices": [{"index": 0, "message": {"role": "assistant", "content": r.text},
+                                 "logprobs": None, "finish_reason": r.finish_reason or "length"}],
+                    "usage": usage(), "timings": r.timings.as_dict()}
+
+        def chunk(delta, finish):
+            return {"id": cid, "object": "chat.completion.chunk", "created": created, "model": engine.alias,
+                    "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+
+        def events():
+            yield chunk({"role": "assistant", "content": ""}, None)
+            for piece in pieces:
+                yield chunk({"content": piece}, None)
+            last = chunk({}, r.finish_reason or "length")
+            last["usage"] = usage()
+            last["timings"] = r.timings.as_dict()
+            yield last
+        return _sse_done(sse(events()))
+
+    # --- llama-server ----------------------------------------------------------------------------------------
+    @app.post("/completion")
+    @app.post("/completions/llama")
+    def llama_completion():
+        body = _body()
+        p = body.get("prompt")
+        if isinstance(p, str):
+            prompt = engine.tokenize(p)
+        elif isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+            engine.detokenize(p)
+            prompt = list(p)
+        else:
+            raise RequestError("'prompt' must be a string or a list of token ids", "prompt")
+        n_predict = _get(body, "n_predict", int, -1, lo=-1)
+        n = engine.check_budget(len(prompt), None if n_predict == -1 else n_predict, "n_predict")
+        kw = dict(temperature=float(_get(body, "temperature", (int, float), 0.8, lo=0)),
+                  top_p=float(_get(body, "top_p", (int, float), 0.95, lo=0, hi=1)),
+                  top_k=int(_get(body, "top_k", int, 40, lo=0)),
+                  seed=(lambda s: None if s is None or s < 0 else s)(_get(body, "seed", int, None)),
+                  stop=_stop(body), ignore_eos=_get(body, "ignore_eos", bool, False))
+        stream = _get(body, "stream", bool, False)
+        r = Result()
+        pieces = engine.generate(prompt, n, r, cancelled=disconnected(), **kw)
+
+        def final(content):
+            return {"content": content, "stop": True, "model": engine.alias, "tokens_predicted": r.timings.predicted_n,
+                    "tokens_evaluated": len(prompt), "stop_type": _stop_type(r), "stopped_eos":
+                    _stop_type(r) == "eos", "stopped_word": bool(r.stopping_word), "stopped_limit":
+                    r.finish_reason == "length", "stopping_word": r.stopping_word, "tokens_cached": len(prompt)
+                    + r.timings.predicted_n, "generation_settings": {"n_predict": n_predict, **kw,
+                                                                     "n_ctx": engine.n_ctx},
+                    "timings": r.timings.as_dict()}
+
+        if not stream:
+            for _ in pieces:
+                pass
+            return final(r.text)
+
+        def events():
+            for piece in pieces:
+                yield {"content": piece, "stop": False}
+            yield final("")
+        return sse(events())
+
+    @app.post("/tokenize")
+    def tokenize():
+        body = _body()
+        content = _get(body, "content", str, None)
+        if content is None:
+            raise RequestError("'content' (a string) is required", "content")
+        return {"tokens": engine.tokenize(content, add_special=_get(body, "add_special", bool, False))}
+
+    @app.post("/detokenize")
+    def detokenize():
+        body = _body()
+        tokens = body.get("tokens")
+        if not isinstance(tokens, list):
+            raise RequestError("'tokens' must be a list of token ids", "tokens")
+        return {"content": engine.detokenize(tokens)}
+
+    @app.get("/health")
+    def health():
+        return {"status": "ok"}
+
+    @app.get("/props")
+    def props():
+        return {"default_generation_settings": {"n_ctx": engine.n_ctx, "model": engine.alias},
+                "total_slots": 1, "model_path": model_path, "model_alias": engine.alias,
+                "chat_template": engine.llm.metadata.get("tokenizer.chat_template", ""),
+                "expert_pack": stats is not None and stats() is not None}
+
+    @app.get("/metrics")
+    def metrics():
+        return Response(metrics_text(engine, stats() if stats else None),
+                        mimetype="text/plain; version=0.0.4")
+
+    # --- chat page -------------------------------------------------------------------------------------------
+    @app.get("/")
+    def index():
+        return Response((STATIC / "index.html").read_text(), mimetype="text/html")
+
+    return app
+
+
+def _stop_type(r: Result) -> str:
+    if r.finish_reason == "length":
+        return "limit"
+    if r.stopping_word:
+        return "word"
+    return "eos" if r.finish_reason == "stop" else "none"
+
+
+def _sse_done(resp: Response) -> Response:
+    """OpenAI streams end with `data: [DONE]`."""
+    inner = resp.response
+
+    def gen():
+        yield from inner
+        yield "data: [DONE]\n\n"
+    resp.response = gen()
+    return resp
+
+
+def metrics_text(engine: Engine, pack: dict | None) -> str:
+    """Prometheus text exposition: llama-server's names for the serving figures, expert_pack_* for the pack."""
+    t = engine.totals
+    rows = [
+        ("llamacpp:prompt_tokens_total", "counter", "Number of prompt tokens processed.", t.prompt_tokens),
+        ("llamacpp:prompt_seconds_total", "counter", "Prompt process time.", t.prompt_seconds),
+        ("llamacpp:tokens_predicted_total", "counter", "Number of generation tokens processed.",
+         t.predicted_tokens),
+        ("llamacpp:tokens_predicted_seconds_total", "counter", "Predict process time.", t.predicted_seconds),
+        ("llamacpp:prompt_tokens_seconds", "gauge", "Average prompt throughput in tokens/s.",
+         t.prompt_tokens / t.prompt_seconds if t.prompt_seconds else 0.0),
+        ("llamacpp:predicted_tokens_seconds", "gauge", "Average generation throughput in tokens/s.",
+         t.predicted_tokens / t.predicted_seconds if t.predicted_seconds else 0.0),
+        ("llamacpp:requests_processing", "gauge", "Number of requests processing.", int(engine.busy)),
+        ("llamacpp:requests_deferred", "gauge", "Number of requests deferred.", engine.lane.waiting),
+        ("llamacpp:n_requests_total", "counter", "Completed or cancelled generations.", t.requests),
+        ("llamacpp:n_requests_cancelled_total", "counter", "Generations stopped by a disconnect.", t.cancelled),
+    ]
+    if pack is not None:
+        help_ = {"cache_hits": "Selected experts found in the cache.",
+                 "cache_misses": "Selected experts read from the pack.",
+                 "cache_evictions": "Experts evicted from the cache.",
+                 "pack_read_bytes": "Bytes read from the pack.",
+                 "h2d_bytes": "Bytes copied host to device.",
+                 "fallback_count": "Experts not served from the cache path.",
+                 "io_errors": "Failed pack reads.", "steps": "Graph steps that used the pack."}
+        for k, h in help_.items():
+            if k in pack:
+                rows.append((f"expert_pack_{k}_total", "counter", h, pack[k]))
+        hits, misses = pack.get("cache_hits", 0), pack.get("cache_misses", 0)
+        rows.append(("expert_pack_hit_ratio", "gauge", "cache_hits / (cache_hits + cache_misses).",
+                     hits / (hits + misses) if hits + misses else 0.0))
+    out = []
+    for name, kind, help_text, value in rows:
+        out += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {float(value):g}"
+                if isinstance(value, float) else f"{name} {value}"]
+    return "\n".join(out) + "\n"

@@ -1,0 +1,237 @@
+"""The generation engine behind the server: one model, one generation at a time, waiting requests served in
+arrival order, every generation cancellable between tokens.
+
+llama.cpp's context is not reentrant, so the server runs a single lane; a ticket lock (not a plain Lock, whose
+wake-up order is unspecified) makes the waiting order the arrival order. Text comes from llama-cpp-python's
+own `create_completion` (stop strings, UTF-8 boundaries and sampling stay upstream's); a logits processor
+counts sampled tokens (for usage and timings), masks end-of-generation tokens for `ignore_eos`, and is where a
+cancelled request stops: raising from it ends the generation before the next token is computed.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import numpy as np
+
+
+class RequestError(ValueError):
+    """Bad input: becomes a 4xx with an OpenAI-style error body."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400, code: str | None = None):
+        super().__init__(message)
+        self.param, self.status, self.code = param, status, code
+
+
+class Cancelled(Exception):
+    """The client went away; the generation stopped at a token boundary."""
+
+
+class TicketLock:
+    """A FIFO lock: acquirers are served in the order they arrived."""
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self._next = 0
+        self._serving = 0
+
+    @property
+    def waiting(self) -> int:
+        with self._cv:
+            return max(0, self._next - self._serving - 1)
+
+    def acquire(self) -> None:
+        with self._cv:
+            ticket = self._next
+            self._next += 1
+            while self._serving != ticket:
+                self._cv.wait()
+
+    def release(self) -> None:
+        with self._cv:
+            self._serving += 1
+            self._cv.notify_all()
+
+
+@dataclass
+class Timings:
+    prompt_n: int = 0
+    prompt_ms: float = 0.0
+    predicted_n: int = 0
+    predicted_ms: float = 0.0
+
+    def as_dict(self) -> dict:
+        def per_tok(ms, n):
+            return ms / n if n else 0.0
+
+        def per_s(ms, n):
+            return 1e3 * n / ms if ms > 0 else 0.0
+        return {
+            "prompt_n": self.prompt_n, "prompt_ms": self.prompt_ms,
+            "prompt_per_token_ms": per_tok(self.prompt_ms, self.prompt_n),
+            "prompt_per_second": per_s(self.prompt_ms, self.prompt_n),
+            "predicted_n": self.predicted_n, "predicted_ms": self.predicted_ms,
+            "predicted_per_token_ms": per_tok(self.predicted_ms, self.predicted_n),
+            "predicted_per_second": per_s(self.predicted_ms, self.predicted_n),
+        }
+
+
+@dataclass
+class Result:
+    """Filled in while a generation streams; complete once its iterator ends."""
+    text: str = ""
+    finish_reason: str | None = None   # "stop" (EOS or stop string) or "length"
+    stopping_word: str = ""
+    timings: Timings = field(default_factory=Timings)
+
+
+@dataclass
+class Totals:
+    """Counters since start, for /metrics."""
+    requests: int = 0
+    cancelled: int = 0
+    prompt_tokens: int = 0
+    prompt_seconds: float = 0.0
+    predicted_tokens: int = 0
+    predicted_seconds: float = 0.0
+    last_predicted_per_second: float = 0.0
+    last_prompt_per_second: float = 0.0
+
+
+class Engine:
+    def __init__(self, llm, alias: str):
+        self.llm = llm
+        self.alias = alias
+        self.n_ctx = llm.n_ctx()
+        self.lane = TicketLock()
+        self.busy = False
+        self.totals = Totals()
+        self._totals_lock = threading.Lock()
+        vocab = llm._model.vocab
+        import llama_cpp
+        n_vocab = llm.n_vocab()
+        self._eog = np.array([t for t in range(n_vocab) if llama_cpp.llama_vocab_is_eog(vocab, t)], dtype=np.int64)
+
+    # ---------------------------------------------------------------------------------------------------
+    def tokenize(self, text: str, add_special: bool = True) -> list[int]:
+        return self.llm.tokenize(text.encode("utf-8"), add_bos=add_special, special=True)
+
+    def detokenize(self, tokens: list[int]) -> str:
+        n_vocab = self.llm.n_vocab()
+        for t in tokens:
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < n_vocab:
+                raise RequestError(f"token {t!r} is not a token id of this model (0..{n_vocab - 1})", "tokens")
+        return self.llm.detokenize(tokens).decode("utf-8", errors="replace")
+
+    def chat_prompt(self, messages: list[dict]) -> tuple[str, list[str]]:
+        """Render OpenAI messages with the model's own chat template (tokenizer.chat_template)."""
+        from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+        template = self.llm.metadata.get("tokenizer.chat_template")
+        if not template:
+            raise RequestError("this model has no chat template; use /v1/completions", "messages")
+        eos = self.llm._model.token_get_text(self.llm.token_eos()) if self.llm.token_eos() >= 0 else ""
+        bos = self.llm._model.token_get_text(self.llm.token_bos()) if self.llm.token_bos() >= 0 else ""
+        fmt = Jinja2ChatFormatter(template=template, eos_token=eos, bos_token=bos)
+        try:
+            r = fmt(messages=messages)
+        except Exception as e:  # a template error is the request's fault (odd roles, missing content)
+            raise RequestError(f"chat template could not render these messages: {e}", "messages") from e
+        stop = r.stop if isinstance(r.stop, list) else ([r.stop] if r.stop else [])
+        return r.prompt, stop
+
+    def check_budget(self, n_prompt: int, max_tokens: int | None, param: str) -> int:
+        """The number of tokens to generate: max_tokens, or the rest of the context when None."""
+        room = self.n_ctx - n_prompt
+        if n_prompt == 0:
+            raise RequestError("the prompt is empty", "prompt")
+        if room <= 0:
+            raise RequestError(f"the prompt has {n_prompt} tokens, the context holds {self.n_ctx}; "
+                               "shorten it or start the server with a larger -c", "prompt",
+                               code="context_length_exceeded")
+        if max_tokens is None:
+            return room
+        if max_tokens > room:
+            raise RequestError(f"{param}={max_tokens} plus the prompt's {n_prompt} tokens exceeds the "
+                               f"context of {self.n_ctx} tokens", param, code="context_length_exceeded")
+        return max_tokens
+
+    # ---------------------------------------------------------------------------------------------------
+    def generate(self, prompt: list[int], max_tokens: int, result: Result, *, temperature: float = 0.8,
+                 top_p: float = 0.95, top_k: int = 40, seed: int | None = None, stop: list[str] | None = None,
+                 ignore_eos: bool = False, cancelled: Callable[[], bool] = lambda: False) -> Iterator[str]:
+        """Yield text pieces; fill `result`. Waits for the lane first (in arrival order)."""
+        self.lane.acquire()
+        try:
+            if cancelled():
+                raise Cancelled()
+            self.busy = True
+            yield from self._generate_locked(prompt, max_tokens, result, temperature, top_p, top_k, seed, stop,
+                                             ignore_eos, cancelled)
+        except Cancelled:
+            with self._totals_lock:
+                self.totals.cancelled += 1
+            raise
+        finally:
+            self.busy = False
+            self.lane.release()
+
+    def _generate_locked(self, prompt, max_tokens, result, temperature, top_p, top_k, seed, stop, ignore_eos,
+                         cancelled):
+        import llama_cpp
+        llm = self.llm
+        t = result.timings
+        marks: list[float] = []
+        eog = self._eog
+
+        def processor(input_ids, scores):
+            marks.append(time.perf_counter())
+            if cancelled():
+                raise Cancelled()
+            if ignore_eos and len(eog):
+                scores[eog] = -np.inf
+            return scores
+
+        llama_cpp.llama_perf_context_reset(llm.ctx)
+        t0 = time.perf_counter()
+        stream = llm.create_completion(prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                                       top_k=top_k, seed=seed, stop=stop or [], stream=True,
+                                       logits_processor=llama_cpp.LogitsProcessorList([processor]))
+        pieces = []
+        try:
+            for chunk in stream:
+                choice = chunk["choices"][0]
+                if choice["text"]:
+                    pieces.append(choice["text"])
+                    yield choice["text"]
+                if choice.get("finish_reason"):
+                    result.finish_reason = choice["finish_reason"]
+                if cancelled():
+                    raise Cancelled()
+        finally:
+            stream.close()
+            t1 = time.perf_counter()
+            result.text = "".join(pieces)
+            perf = llama_cpp.llama_perf_context(llm.ctx)
+            # prompt: tokens actually evaluated (a reused prefix costs nothing), up to the first sample
+            t.prompt_n = int(perf.n_p_eval) if perf.n_p_eval > 0 else len(prompt)
+            t.prompt_ms = 1e3 * ((marks[0] if marks else t1) - t0)
+            t.predicted_n = len(marks)
+            t.predicted_ms = 1e3 * (t1 - marks[0]) if marks else 0.0
+            if stop and result.finish_reason == "stop":
+                for s in stop:
+                    tail = llm.detokenize(llm._input_ids[len(prompt):].tolist()).decode("utf-8", "replace")
+                    if s in tail:
+                        result.stopping_word = s
+                        break
+            with self._totals_lock:
+                tot = self.totals
+                tot.requests += 1
+                tot.prompt_tokens += t.prompt_n
+                tot.prompt_seconds += t.prompt_ms / 1e3
+                tot.predicted_tokens += t.predicted_n
+                tot.predicted_seconds += t.predicted_ms / 1e3
+                d = t.as_dict()
+                tot.last_prompt_per_second = d["prompt_per_second"]
+                tot.last_predicted_per_second = d["predicted_per_second"]
