@@ -169,7 +169,7 @@ class Engine:
             self.busy = True
             yield from self._generate_locked(prompt, max_tokens, result, temperature, top_p, top_k, seed, stop,
                                              ignore_eos, cancelled)
-        except Cancelled:
+        except (Cancelled, GeneratorExit):  # GeneratorExit: the WSGI server closed the stream (client gone)
             with self._totals_lock:
                 self.totals.cancelled += 1
             raise
@@ -185,10 +185,17 @@ class Engine:
         marks: list[float] = []
         eog = self._eog
 
+        stop_now = [False]
+
         def processor(input_ids, scores):
+            # runs inside a ctypes callback, where an exception would be swallowed: a cancelled generation is
+            # ended by forcing an end-of-generation token instead, and the loop below raises Cancelled
             marks.append(time.perf_counter())
-            if cancelled():
-                raise Cancelled()
+            if cancelled() and len(eog):
+                stop_now[0] = True
+                scores[:] = -np.inf
+                scores[eog[0]] = 0.0
+                return scores
             if ignore_eos and len(eog):
                 scores[eog] = -np.inf
             return scores
@@ -207,8 +214,10 @@ class Engine:
                     yield choice["text"]
                 if choice.get("finish_reason"):
                     result.finish_reason = choice["finish_reason"]
-                if cancelled():
+                if stop_now[0] or cancelled():
                     raise Cancelled()
+            if stop_now[0]:
+                raise Cancelled()
         finally:
             stream.close()
             t1 = time.perf_counter()

@@ -1,0 +1,319 @@
+"""The HTTP server over real loopback HTTP: `expert-pack serve` in a subprocess with a tiny model and its pack,
+spoken to by the official openai client, plain HTTP, a Prometheus parser and headless Chromium."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from ggml_expert_pack.packer import build
+
+ROOT = Path(__file__).resolve().parent.parent
+ARTIFACTS = ROOT / "test-artifacts"
+N_CTX = 512
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(synth_model, tmp_path_factory):
+    model = synth_model("qwen3moe")
+    pack = tmp_path_factory.mktemp("srv") / "pack"
+    build(model, pack, progress=False)
+    port = _free_port()
+    log = open(pack.parent / "server.log", "w+")
+    cmd = [sys.executable, "-m", "ggml_expert_pack.cli", "serve", "-m", str(pack / "trunk.gguf"),
+           "--expert-pack", str(pack), "-c", str(N_CTX), "--port", str(port), "--alias", "tiny-moe", "-t", "2",
+           "--stats-file", str(pack.parent / "stats.json")]
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 120
+    while True:
+        try:
+            with urllib.request.urlopen(base + "/health", timeout=2) as r:
+                if r.status == 200:
+                    break
+        except OSError:
+            pass
+        if proc.poll() is not None or time.time() > deadline:
+            log.seek(0)
+            proc.kill()
+            pytest.fail(f"server did not start:\n{log.read()}")
+        time.sleep(0.2)
+    yield base
+    proc.terminate()
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+def post(base, path, body, raw: bytes | None = None):
+    data = raw if raw is not None else json.dumps(body).encode()
+    req = urllib.request.Request(base + path, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def get(base, path):
+    with urllib.request.urlopen(base + path, timeout=30) as r:
+        return r.read().decode()
+
+
+def client(base):
+    import openai
+    return openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0)
+
+
+# --- OpenAI client ------------------------------------------------------------------------------------------
+
+def test_openai_models(server):
+    ids = [m.id for m in client(server).models.list()]
+    assert ids == ["tiny-moe"]
+
+
+def test_openai_chat_streamed_equals_unstreamed(server):
+    c = client(server)
+    msgs = [{"role": "user", "content": "Tell me about experts."}]
+    r = c.chat.completions.create(model="tiny-moe", messages=msgs, max_tokens=12, temperature=0)
+    assert r.object == "chat.completion" and r.choices[0].message.role == "assistant"
+    assert r.usage.completion_tokens == 12 and r.usage.prompt_tokens > 5
+    assert r.usage.total_tokens == r.usage.prompt_tokens + 12
+    assert r.choices[0].finish_reason == "length"
+    parts, usage = [], None
+    for ch in c.chat.completions.create(model="tiny-moe", messages=msgs, max_tokens=12, temperature=0,
+                                        stream=True):
+        if ch.choices and ch.choices[0].delta.content:
+            parts.append(ch.choices[0].delta.content)
+        usage = ch.usage or usage
+    assert len(parts) > 1
+    assert "".join(parts) == r.choices[0].message.content
+    assert usage.completion_tokens == 12
+
+
+def test_openai_completions(server):
+    c = client(server)
+    r = c.completions.create(model="tiny-moe", prompt="The capital of France is", max_tokens=10, temperature=0)
+    assert r.object == "text_completion" and r.usage.completion_tokens == 10
+    text = "".join(ch.choices[0].text for ch in c.completions.create(
+        model="tiny-moe", prompt="The capital of France is", max_tokens=10, temperature=0, stream=True))
+    assert text == r.choices[0].text
+
+
+def test_openai_unknown_model_is_404(server):
+    import openai
+    with pytest.raises(openai.NotFoundError) as e:
+        client(server).completions.create(model="gpt-17", prompt="x", max_tokens=1)
+    assert "gpt-17" in str(e.value)
+
+
+# --- llama-server's /completion -----------------------------------------------------------------------------
+
+TIMING_KEYS = {"prompt_n", "prompt_ms", "prompt_per_token_ms", "prompt_per_second", "predicted_n",
+               "predicted_ms", "predicted_per_token_ms", "predicted_per_second"}
+
+
+def test_completion_with_timings(server):
+    status, r = post(server, "/completion", {"prompt": "Hello world", "n_predict": 20, "ignore_eos": True,
+                                              "temperature": 0})
+    assert status == 200
+    assert set(r["timings"]) >= TIMING_KEYS
+    t = r["timings"]
+    assert t["predicted_n"] == 20 == r["tokens_predicted"]
+    assert t["predicted_ms"] > 0 and t["predicted_per_second"] == pytest.approx(1e3 * 20 / t["predicted_ms"])
+    assert t["prompt_n"] >= 1 and r["stopped_limit"] and not r["stopped_eos"]
+    assert r["content"]
+
+
+def test_completion_stream_ends_with_timings(server):
+    req = urllib.request.Request(server + "/completion", data=json.dumps(
+        {"prompt": "Hello world", "n_predict": 8, "ignore_eos": True, "temperature": 0, "stream": True}).encode())
+    events = []
+    with urllib.request.urlopen(req, timeout=60) as r:
+        assert r.headers["Content-Type"].startswith("text/event-stream")
+        for line in r:
+            if line.startswith(b"data: "):
+                events.append(json.loads(line[6:]))
+    assert all(not e["stop"] for e in events[:-1]) and events[-1]["stop"]
+    assert events[-1]["timings"]["predicted_n"] == 8
+    _, whole = post(server, "/completion", {"prompt": "Hello world", "n_predict": 8, "ignore_eos": True,
+                                            "temperature": 0})
+    assert "".join(e["content"] for e in events) == whole["content"]
+
+
+def test_tokenize_detokenize_health_props(server):
+    _, t = post(server, "/tokenize", {"content": "Hello world"})
+    assert t["tokens"] and all(isinstance(x, int) for x in t["tokens"])
+    _, d = post(server, "/detokenize", {"tokens": t["tokens"]})
+    assert d["content"] == "Hello world"
+    assert json.loads(get(server, "/health"))["status"] == "ok"
+    props = json.loads(get(server, "/props"))
+    assert props["default_generation_settings"]["n_ctx"] == N_CTX and props["expert_pack"] is True
+
+
+def test_metrics_parse(server):
+    from prometheus_client.parser import text_string_to_metric_families
+    post(server, "/completion", {"prompt": "metrics", "n_predict": 4, "ignore_eos": True})
+    fams = {f.name: f for f in text_string_to_metric_families(get(server, "/metrics"))}
+    value = {f.name: f.samples[0].value for f in fams.values()}
+    for k in ("cache_hits", "cache_misses", "cache_evictions", "pack_read_bytes", "h2d_bytes", "fallback_count",
+              "io_errors"):
+        assert f"expert_pack_{k}" in fams, k
+        assert fams[f"expert_pack_{k}"].type == "counter"
+    assert value["expert_pack_pack_read_bytes"] > 0
+    assert value["llamacpp:tokens_predicted"] >= 4
+    assert value["llamacpp:predicted_tokens_seconds"] > 0  # tok/s
+
+
+# --- bad input -----------------------------------------------------------------------------------------------
+
+MALFORMED = [
+    ("/v1/completions", None, b"{not json", 400),
+    ("/v1/completions", {"prompt": 42, "max_tokens": 4}, None, 400),
+    ("/v1/completions", {"prompt": "x", "max_tokens": "4"}, None, 400),
+    ("/v1/completions", {"prompt": "x", "max_tokens": -3}, None, 400),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 10 ** 9}, None, 400),
+    ("/v1/completions", {"prompt": "word " * (2 * N_CTX), "max_tokens": 4}, None, 400),
+    ("/v1/chat/completions", {"model": "no-such-model", "messages": [{"role": "user", "content": "x"}]}, None, 404),
+    ("/v1/chat/completions", {"messages": "hello"}, None, 400),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}, None, 400),
+    ("/completion", {"prompt": "x", "n_predict": 4, "stream": "yes"}, None, 400),
+    ("/detokenize", {"tokens": [-5, 10 ** 12]}, None, 400),
+]
+
+
+@pytest.mark.parametrize("path,body,raw,status", MALFORMED, ids=[f"{i}" for i in range(len(MALFORMED))])
+def test_malformed_request_then_a_good_one(server, path, body, raw, status):
+    got, r = post(server, path, body, raw)
+    assert got == status, r
+    err = r["error"]
+    assert err["message"] and err["type"] == "invalid_request_error"
+    got, ok = post(server, "/v1/completions", {"prompt": "still alive?", "max_tokens": 2})
+    assert got == 200 and ok["usage"]["completion_tokens"] == 2
+
+
+def test_unknown_endpoint_and_method(server):
+    got, r = post(server, "/v2/nothing", {})
+    assert got == 404 and r["error"]["message"]
+    req = urllib.request.Request(server + "/completion")  # GET
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=10)
+    assert e.value.code == 405
+
+
+# --- concurrency and cancellation ----------------------------------------------------------------------------
+
+def test_four_concurrent_clients(server):
+    prompts = [f"Client number {i} says" for i in range(4)]
+    body = lambda p: {"prompt": p, "n_predict": 24, "ignore_eos": True, "temperature": 0}  # noqa: E731
+    expected = [post(server, "/completion", body(p))[1]["content"] for p in prompts]
+    got: dict[int, str] = {}
+    errors: list = []
+
+    def worker(i):
+        try:
+            status, r = post(server, "/completion", body(prompts[i]))
+            assert status == 200
+            got[i] = r["content"]
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors
+    assert [got[i] for i in range(4)] == expected
+
+
+def _metric(server, name):
+    from prometheus_client.parser import text_string_to_metric_families
+    for f in text_string_to_metric_families(get(server, "/metrics")):
+        if f.name == name:
+            return f.samples[0].value
+    raise KeyError(name)
+
+
+def test_disconnect_stops_generation(server):
+    cancelled0 = _metric(server, "llamacpp:n_requests_cancelled")
+    predicted0 = _metric(server, "llamacpp:tokens_predicted")
+    n_predict = N_CTX - 16
+    body = json.dumps({"prompt": "A long story:", "n_predict": n_predict, "ignore_eos": True, "stream": True})
+    host, port = server.removeprefix("http://").split(":")
+    s = socket.create_connection((host, int(port)))
+    s.sendall(f"POST /completion HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+              f"Content-Length: {len(body)}\r\n\r\n{body}".encode())
+    seen = b""
+    while b"data: " not in seen:  # wait until streaming has begun
+        chunk = s.recv(4096)
+        assert chunk, "connection closed before any token"
+        seen += chunk
+    s.close()
+    t_close = time.perf_counter()
+    while _metric(server, "llamacpp:n_requests_cancelled") == cancelled0:
+        assert time.perf_counter() - t_close < 30, "generation was not stopped"
+        time.sleep(0.01)
+    freed_s = time.perf_counter() - t_close
+    assert _metric(server, "llamacpp:requests_processing") == 0
+    assert _metric(server, "llamacpp:tokens_predicted") - predicted0 < n_predict  # it stopped early
+    got, ok = post(server, "/v1/completions", {"prompt": "next", "max_tokens": 2})
+    assert got == 200
+    print(f"\nserver freed {freed_s * 1e3:.0f} ms after the client closed")
+
+
+# --- the chat page -------------------------------------------------------------------------------------------
+
+def _chromium() -> str | None:
+    for name in ("chromium", "chromium-browser", "google-chrome"):
+        p = shutil.which(name)
+        if p:
+            return p
+    return None
+
+
+def test_chat_page_streams_a_reply(server):
+    playwright = pytest.importorskip("playwright.sync_api")
+    exe = _chromium()
+    if exe is None:
+        pytest.skip("no Chromium on this machine (apt-get install chromium)")
+    ARTIFACTS.mkdir(exist_ok=True)
+    with playwright.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=exe, args=["--no-sandbox"])
+        page = browser.new_page()
+        page.goto(server + "/")
+        page.wait_for_function("document.getElementById('model').textContent === 'tiny-moe'")
+        page.evaluate("window.updates = 0; new MutationObserver(() => window.updates++).observe("
+                      "document.getElementById('log'), {subtree: true, childList: true, characterData: true})")
+        page.fill("#input", "Hello, who are you?")
+        page.keyboard.press("Enter")
+        page.wait_for_selector(".msg.user")
+        # the reply grows while it streams, then is marked done
+        page.wait_for_function("document.querySelector('.msg.assistant') && "
+                               "document.querySelector('.msg.assistant').textContent.length > 0")
+        page.wait_for_selector(".msg.assistant[data-done='1']", timeout=60_000)
+        reply = page.text_content(".msg.assistant")
+        stats = page.text_content("#stats")
+        updates = page.evaluate("window.updates")
+        page.screenshot(path=str(ARTIFACTS / "chat-page.png"))
+        browser.close()
+    assert reply and "tok/s" in stats
+    assert updates > 3, "the reply arrived in one piece, not streamed"
+    assert page.url.startswith(server)
+    assert (ARTIFACTS / "chat-page.png").stat().st_size > 1000
