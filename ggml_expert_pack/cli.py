@@ -233,6 +233,28 @@ def add_demo(sub) -> None:
     p.set_defaults(func=cmd_demo)
 
 
+def add_bench_client(sub) -> None:
+    p = sub.add_parser("bench-client", help="run the reference workload (10 fixed requests) against a "
+                       "llama-server-compatible endpoint; JSON, Markdown table, PNG plot",
+                       description="Send the reference workload (5 Alpaca-style and 5 MMLU-style prompts) one at "
+                       "a time to URL/completion at temperature 0 with EOS ignored; report mean prefill and decode "
+                       "tok/s per dataset from the server's timings, and for an expert-pack server the hit rate and "
+                       "SSD bytes per generated token. Writes OUT/SYSTEM.json, and OUT/table.md and OUT/rates.png "
+                       "over every JSON in OUT.")
+    p.add_argument("url", help="base URL, e.g. http://127.0.0.1:8080")
+    p.add_argument("--system", required=True, help="name of the system under test (file name of its JSON)")
+    p.add_argument("--out", default="bench-results", help="results folder (default ./bench-results)")
+    p.add_argument("--n-predict", type=int, default=200, help="tokens generated per request (default 200)")
+    p.add_argument("--budget-s", type=float, default=3600.0,
+                   help="seconds for the whole run; requests not started by then are skipped (default 3600)")
+    p.add_argument("--baseline", help="system whose rates the table divides by")
+
+    def run(args):
+        from .bench_client import main_run
+        return main_run(args)
+    p.set_defaults(func=run)
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="expert-pack", description="Run MoE models larger than GPU memory by "
                                  "streaming routed experts from an SSD expert pack.")
@@ -246,6 +268,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_routing_stats(sub)
     from .server.main import add_serve
     add_serve(sub)
+    add_bench_client(sub)
     return ap
 
 

@@ -102,3 +102,20 @@ def test_state_keeps_the_pack(packed):
     state = packed.__getstate__()
     assert state["expert_pack"]["pack_dir"]
     pickle.dumps(state)
+
+
+def test_max_tokens_is_exact_even_on_a_split_utf8_character(packed):
+    """Upstream generated one token past max_tokens when the last one ended inside a UTF-8 character (patch 0005)."""
+    from llama_cpp import LogitsProcessorList
+
+    from ggml_expert_pack.bench_client import requests
+    for _, _, prompt in requests():
+        for stream in (False, True):
+            calls = []
+            out = packed.create_completion(prompt, max_tokens=6, temperature=0, stream=stream,
+                                           logits_processor=LogitsProcessorList([lambda ids, s: calls.append(1) or s]))
+            if stream:
+                list(out)
+            else:
+                assert out["usage"]["completion_tokens"] <= 6
+            assert len(calls) <= 6, prompt

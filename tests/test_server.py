@@ -317,3 +317,35 @@ def test_chat_page_streams_a_reply(server):
     assert updates > 3, "the reply arrived in one piece, not streamed"
     assert page.url.startswith(server)
     assert (ARTIFACTS / "chat-page.png").stat().st_size > 1000
+
+
+# --- the benchmark client (issue 8.1) against this server -----------------------------------------------------
+
+def test_bench_client_reference_workload(server, tmp_path):
+    from ggml_expert_pack.cli import main
+    out = tmp_path / "bench"
+    assert main(["bench-client", server, "--system", "ours", "--out", str(out), "--n-predict", "6"]) == 0
+    rep = json.loads((out / "ours.json").read_text())
+    assert rep["completed"] == 10 and [r["dataset"] for r in rep["results"]] == ["alpaca"] * 5 + ["mmlu"] * 5
+    assert all(r["predicted_n"] == 6 and r["error"] is None for r in rep["results"])
+    for ds in ("alpaca", "mmlu", "all"):
+        row = rep["summary"][ds]
+        assert row["decode_tok_s"] > 0 and row["prefill_tok_s"] > 0
+        assert 0 <= row["hit_rate"] <= 1 and row["ssd_bytes_per_token"] >= 0
+    # a second system read from the same folder: the table divides by the baseline
+    other = {**rep, "system": "other"}
+    (out / "other.json").write_text(json.dumps(other))
+    assert main(["bench-client", server, "--system", "ours", "--out", str(out), "--n-predict", "2",
+                 "--baseline", "other"]) == 0
+    table = (out / "table.md").read_text()
+    assert "| ours | alpaca |" in table and "| other | mmlu |" in table and "÷ other" in table
+    if (out / "rates.png").exists():
+        assert (out / "rates.png").stat().st_size > 1000
+
+
+def test_bench_client_budget_and_dead_server(tmp_path):
+    from ggml_expert_pack.bench_client import run
+    rep = run(f"http://127.0.0.1:{_free_port()}", "dead", n_predict=4, budget_s=5, log=lambda m: None)
+    assert rep.completed == 0 and all(r.error for r in rep.results) and rep.summary == {}
+    rep = run("http://127.0.0.1:9", "none", budget_s=0, log=lambda m: None)
+    assert rep.skipped == 10 and not rep.results
