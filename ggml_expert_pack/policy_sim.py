@@ -1,0 +1,154 @@
+"""Replay a routing trace through cache policies at several cache sizes: LRU, LFU, our hybrid (the provider's own
+policy code, through the C API) and Belady's optimum (evict the expert used again farthest in the future).
+
+The cache is the runtime's: one arena per MoE layer with the same number of slots, one step per token (the
+decode regime), the experts of the current step pinned (never evicted to make room for each other). A step's
+experts are distinct, so hits/(hits+misses) is the unique-key hit rate the runtime reports.
+"""
+from __future__ import annotations
+
+import bisect
+from collections import OrderedDict
+
+import numpy as np
+
+from .routing.trace import RoutingTrace
+
+POLICIES = ("lru", "lfu", "hybrid", "belady")
+
+
+def layer_steps(trace: RoutingTrace, li: int) -> list[list[int]]:
+    """Layer li's steps in execution order: token by token across the prompts, distinct experts per step."""
+    return [list(dict.fromkeys(int(x) for x in row)) for e in trace.experts for row in e[:, li, :]]
+
+
+def _lru(steps, slots):
+    cache: OrderedDict = OrderedDict()
+    hits = 0
+    for step in steps:
+        pinned = set(step)
+        for x in step:
+            if x in cache:
+                hits += 1
+                cache.move_to_end(x)
+                continue
+            if len(cache) >= slots:
+                victim = next(k for k in cache if k not in pinned)
+                del cache[victim]
+            cache[x] = None
+    return hits
+
+
+def _lfu(steps, slots):
+    """Frequency counted over everything seen so far (perfect LFU); ties go to the least recently used."""
+    freq: dict = {}
+    last: dict = {}
+    cache: set = set()
+    hits = 0
+    for t, step in enumerate(steps):
+        pinned = set(step)
+        for x in step:
+            freq[x] = freq.get(x, 0) + 1
+            if x in cache:
+                hits += 1
+            else:
+                if len(cache) >= slots:
+                    victim = min((k for k in cache if k not in pinned), key=lambda k: (freq[k], last[k]))
+                    cache.remove(victim)
+                cache.add(x)
+            last[x] = t
+    return hits
+
+
+def _hybrid(steps, slots, n_expert):
+    from .pybind.provider import Policy
+    p = Policy(slots, n_expert)
+    for step in steps:
+        p.step(step)
+    return int(p.hits)
+
+
+def _belady(steps, slots):
+    uses: dict = {}
+    for t, step in enumerate(steps):
+        for x in step:
+            uses.setdefault(x, []).append(t)
+
+    def next_use(x, t):
+        u = uses[x]
+        i = bisect.bisect_right(u, t)
+        return u[i] if i < len(u) else float("inf")
+    cache: set = set()
+    hits = 0
+    for t, step in enumerate(steps):
+        pinned = set(step)
+        for x in step:
+            if x in cache:
+                hits += 1
+                continue
+            if len(cache) >= slots:
+                victim = max((k for k in cache if k not in pinned), key=lambda k: next_use(k, t))
+                cache.remove(victim)
+            cache.add(x)
+    return hits
+
+
+def hit_rate(trace: RoutingTrace, policy: str, slots: int) -> float:
+    """Hit rate over all layers (each layer its own cache of `slots`)."""
+    hits = total = 0
+    for li in range(len(trace.layers)):
+        steps = layer_steps(trace, li)
+        total += sum(len(s) for s in steps)
+        if policy == "lru":
+            hits += _lru(steps, slots)
+        elif policy == "lfu":
+            hits += _lfu(steps, slots)
+        elif policy == "hybrid":
+            hits += _hybrid(steps, slots, trace.n_expert)
+        elif policy == "belady":
+            hits += _belady(steps, slots)
+        else:
+            raise ValueError(f"unknown policy {policy!r}; one of {', '.join(POLICIES)}")
+    return hits / max(total, 1)
+
+
+def sweep(trace: RoutingTrace, fractions=(0.1, 0.14, 0.25, 0.5)) -> list[dict]:
+    """Rows {fraction, slots, lru, lfu, hybrid, belady, hybrid_over_belady} for cache sizes given as fractions of
+    a layer's experts (at least top-k slots, the runtime's minimum)."""
+    k = trace.experts[0].shape[2]
+    rows = []
+    for f in fractions:
+        slots = max(k, int(round(f * trace.n_expert)))
+        row = {"fraction": f, "slots": slots, **{p: hit_rate(trace, p, slots) for p in POLICIES}}
+        row["hybrid_over_belady"] = row["hybrid"] / row["belady"] if row["belady"] else float("nan")
+        rows.append(row)
+    return rows
+
+
+def markdown(rows: list[dict], label: str) -> str:
+    out = [f"**{label}**", "", "| cache (of a layer's experts) | slots | LRU | LFU | hybrid (ours) | Belady | "
+           "ours ÷ Belady |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        out.append(f"| {r['fraction']:.0%} | {r['slots']} | {r['lru']:.3f} | {r['lfu']:.3f} | {r['hybrid']:.3f} | "
+                   f"{r['belady']:.3f} | {r['hybrid_over_belady']:.2f} |")
+    return "\n".join(out) + "\n"
+
+
+def plot(results: dict[str, list[dict]], path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, len(results), figsize=(4.2 * len(results), 3.6), sharey=True)
+    axes = np.atleast_1d(axes)
+    for ax, (label, rows) in zip(axes, results.items()):
+        xs = [r["fraction"] * 100 for r in rows]
+        for p in POLICIES:
+            ax.plot(xs, [r[p] for r in rows], marker="o", label=p)
+        ax.set_title(f"routing: {label}")
+        ax.set_xlabel("cache, % of a layer's experts")
+        ax.grid(alpha=.3)
+    axes[0].set_ylabel("hit rate")
+    axes[0].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
