@@ -255,6 +255,37 @@ def add_bench_client(sub) -> None:
     p.set_defaults(func=run)
 
 
+def add_policy_sim(sub) -> None:
+    p = sub.add_parser("policy-sim", help="replay routing traces through LRU, LFU, our hybrid and Belady's optimum",
+                       description="Replay routing traces (saved by `routing-stats --save-trace`) through the cache "
+                       "policies, one cache per MoE layer, at cache sizes given as fractions of a layer's experts.")
+    p.add_argument("traces", nargs="+", help=".npz routing traces")
+    p.add_argument("--fractions", default="0.1,0.14,0.25,0.5",
+                   help="cache sizes as fractions of a layer's experts (default 0.1,0.14,0.25,0.5)")
+    p.add_argument("--plot", help="write a PNG plot here (needs matplotlib)")
+    p.add_argument("--json", action="store_true")
+
+    def run(args):
+        from . import policy_sim
+        from .routing.trace import RoutingTrace
+        try:
+            fractions = tuple(float(x) for x in args.fractions.split(","))
+        except ValueError:
+            raise ValueError(f"--fractions: not a comma-separated list of numbers: {args.fractions!r}") from None
+        if not all(0 < f <= 1 for f in fractions):
+            raise ValueError("--fractions must lie in (0, 1]")
+        results = {Path(t).stem: policy_sim.sweep(RoutingTrace.load(t), fractions) for t in args.traces}
+        if args.json:
+            print(json.dumps(results, indent=1))
+        else:
+            for label, rows in results.items():
+                print(policy_sim.markdown(rows, label))
+        if args.plot:
+            policy_sim.plot(results, args.plot)
+        return 0
+    p.set_defaults(func=run)
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="expert-pack", description="Run MoE models larger than GPU memory by "
                                  "streaming routed experts from an SSD expert pack.")
@@ -269,6 +300,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .server.main import add_serve
     add_serve(sub)
     add_bench_client(sub)
+    add_policy_sim(sub)
     return ap
 
 

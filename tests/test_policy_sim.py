@@ -57,3 +57,13 @@ def test_sweep_and_markdown():
     assert rows[1]["slots"] == 8 and 0 < rows[1]["hybrid_over_belady"] <= 1
     md = policy_sim.markdown(rows, "test")
     assert "| 50% | 8 |" in md
+
+
+def test_cli(tmp_path, capsys):
+    from ggml_expert_pack.cli import main
+    rng = np.random.default_rng(4)
+    path = tmp_path / "t.npz"
+    _trace([list(rng.choice(16, size=2, replace=False)) for _ in range(40)], n_expert=16).save(path)
+    assert main(["policy-sim", str(path), "--fractions", "0.25,0.5"]) == 0
+    assert "| 25% | 4 |" in capsys.readouterr().out
+    assert main(["policy-sim", str(path), "--fractions", "2"]) == 2
