@@ -91,7 +91,7 @@ def run(model_path, provider=None, n_ubatch: int = 512, prompt_len: int = 12, n_
         raise RuntimeError("llama.cpp could not create a context")
     try:
         n_vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(model))
-        tokens = [(i * 7919) % 1000 + 100 for i in range(prompt_len)]
+        tokens = [((i * 7919) % 1000 + 100) % n_vocab for i in range(prompt_len)]  # same ids whenever n_vocab > 1100
         out = []
         batch = lc.llama_batch_init(max(prompt_len, 1), 0, 1)
         try:
