@@ -5,6 +5,7 @@
 # tests/test_all_archs.py packs and checks every MoE one. ~6 min on 2 cores, once.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+command -v cmake >/dev/null || python3 -m pip install -q 'cmake>=3.21'
 SRC=build/archs-src
 if [ ! -d "$SRC/vendor/llama.cpp" ]; then
     SDIST=$(python3 -c "import sys; sys.path.insert(0, 'vendor'); import prepare; print(prepare.fetch_sdist(offline=False))")
