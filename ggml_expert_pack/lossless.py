@@ -41,14 +41,11 @@ class Run:
     error: int = 0                     # llama_decode's return code, if a step failed
 
 
-def run(model_path, provider=None, n_ubatch: int = 512, prompt_len: int = 12, n_decode: int = 32,
-        n_ctx: int = 256, n_gpu_layers: int = 0, record_routing: bool = False, n_threads: int = 2) -> Run:
-    """Prompt (`prompt_len` fixed tokens, one llama_decode) then `n_decode` greedy steps. Extra buffer types
-    are off (DESIGN.md trap 10) so that stock and the pack run the same kernels."""
+def load_model(model_path, provider=None, n_gpu_layers: int = 0):
+    """llama_model_load_from_file with the pack attached and extra buffer types off (DESIGN.md trap 10), so that
+    stock and the pack run the same kernels; raises RuntimeError with the provider's reason."""
     import llama_cpp as lc
     from llama_cpp._logger import set_verbose
-    from .routing.trace import GGMLTensor, _TOPK, _tensor_array
-
     lc.llama_backend_init()
     set_verbose(False)
     mp = lc.llama_model_default_params()
@@ -60,6 +57,17 @@ def run(model_path, provider=None, n_ubatch: int = 512, prompt_len: int = 12, n_
     if not model:
         msg = provider.last_error if provider is not None else ""
         raise RuntimeError(f"llama.cpp could not load {model_path}" + (f": {msg}" if msg else ""))
+    return model
+
+
+def run(model_path, provider=None, n_ubatch: int = 512, prompt_len: int = 12, n_decode: int = 32,
+        n_ctx: int = 256, n_gpu_layers: int = 0, record_routing: bool = False, n_threads: int = 2) -> Run:
+    """Prompt (`prompt_len` fixed tokens, one llama_decode) then `n_decode` greedy steps. Extra buffer types
+    are off (DESIGN.md trap 10) so that stock and the pack run the same kernels."""
+    import llama_cpp as lc
+    from .routing.trace import GGMLTensor, _TOPK, _tensor_array
+
+    model = load_model(model_path, provider, n_gpu_layers)
     routing: list[dict] = []
     cb = None
     cp = lc.llama_context_default_params()
@@ -131,21 +139,10 @@ class Session:
         import os
 
         import llama_cpp as lc
-        from llama_cpp._logger import set_verbose
         self.lc = lc
-        lc.llama_backend_init()
-        set_verbose(False)
-        mp = lc.llama_model_default_params()
-        mp.n_gpu_layers = n_gpu_layers
-        mp.use_extra_bufts = False
-        if provider is not None:
-            mp.expert_pack = provider.handle
         import time
         t0 = time.perf_counter()
-        self.model = lc.llama_model_load_from_file(str(model_path).encode(), mp)
-        if not self.model:
-            msg = provider.last_error if provider is not None else ""
-            raise RuntimeError(f"llama.cpp could not load {model_path}" + (f": {msg}" if msg else ""))
+        self.model = load_model(model_path, provider, n_gpu_layers)
         self.load_s = time.perf_counter() - t0
         cp = lc.llama_context_default_params()
         cp.n_ctx, cp.n_batch, cp.n_ubatch = n_ctx, n_ctx, n_ubatch

@@ -2,8 +2,6 @@
 wherever llama-server would be used (same flags for the common options, same /completion and /metrics)."""
 from __future__ import annotations
 
-import argparse
-import os
 import sys
 from pathlib import Path
 

@@ -3,7 +3,6 @@ spoken to by the official openai client, plain HTTP, a Prometheus parser and hea
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import socket
 import subprocess
