@@ -129,16 +129,18 @@ def create_app(engine: Engine, *, model_path: str = "", stats=None) -> Flask:
         return {"object": "list", "data": [{"id": engine.alias, "object": "model", "created": started,
                                             "owned_by": "expert-pack"}]}
 
-    def openai_prompt(body: dict) -> list[int]:
+    def prompt_tokens(body: dict, one_string_list: bool) -> list[int]:
+        """'prompt' as text or token ids (checked); OpenAI also allows a list holding one string."""
         p = body.get("prompt")
-        if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str):
+        if one_string_list and isinstance(p, list) and len(p) == 1 and isinstance(p[0], str):
             p = p[0]
         if isinstance(p, str):
             return engine.tokenize(p)
         if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
             engine.detokenize(p)  # validates the ids
             return list(p)
-        raise RequestError("'prompt' must be a string, a list of one string, or a list of token ids", "prompt")
+        raise RequestError("'prompt' must be a string, " + ("a list of one string, " if one_string_list else "")
+                           + "or a list of token ids", "prompt")
 
     def max_tokens_of(body: dict, default):
         mt = _get(body, "max_completion_tokens", int, None, lo=0)
@@ -151,7 +153,7 @@ def create_app(engine: Engine, *, model_path: str = "", stats=None) -> Flask:
     def completions():
         body = _body()
         check_model(body)
-        prompt = openai_prompt(body)
+        prompt = prompt_tokens(body, one_string_list=True)
         n = engine.check_budget(len(prompt), max_tokens_of(body, 16), "max_tokens")
         kw = dict(_sampling(body), stop=_stop(body))
         stream = _get(body, "stream", bool, False)
@@ -161,24 +163,20 @@ def create_app(engine: Engine, *, model_path: str = "", stats=None) -> Flask:
             return {"id": cid, "object": "text_completion", "created": created, "model": engine.alias,
                     "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]}
 
-        def usage(r: Result):
-            return {"prompt_tokens": len(prompt), "completion_tokens": r.timings.predicted_n,
-                    "total_tokens": len(prompt) + r.timings.predicted_n}
-
         r = Result()
         pieces = engine.generate(prompt, n, r, cancelled=disconnected(), **kw)
         if not stream:
             for _ in pieces:
                 pass
             out = chunk(r.text, r.finish_reason or "length")
-            out["usage"] = usage(r)
+            out["usage"] = _usage(prompt, r)
             return out
 
         def events():
             for piece in pieces:
                 yield chunk(piece, None)
             last = chunk("", r.finish_reason or "length")
-            last["usage"] = usage(r)
+            last["usage"] = _usage(prompt, r)
             yield last
         return _sse_done(sse(events()))
 
@@ -213,17 +211,13 @@ def create_app(engine: Engine, *, model_path: str = "", stats=None) -> Flask:
         r = Result()
         pieces = engine.generate(prompt, n, r, cancelled=disconnected(), **kw)
 
-        def usage():
-            return {"prompt_tokens": len(prompt), "completion_tokens": r.timings.predicted_n,
-                    "total_tokens": len(prompt) + r.timings.predicted_n}
-
         if not stream:
             for _ in pieces:
                 pass
             return {"id": cid, "object": "chat.completion", "created": created, "model": engine.alias,
                     "choices": [{"index": 0, "message": {"role": "assistant", "content": r.text},
                                  "logprobs": None, "finish_reason": r.finish_reason or "length"}],
-                    "usage": usage(), "timings": r.timings.as_dict()}
+                    "usage": _usage(prompt, r), "timings": r.timings.as_dict()}
 
         def chunk(delta, finish):
             return {"id": cid, "object": "chat.completion.chunk", "created": created, "model": engine.alias,
@@ -234,7 +228,7 @@ def create_app(engine: Engine, *, model_path: str = "", stats=None) -> Flask:
             for piece in pieces:
                 yield chunk({"content": piece}, None)
             last = chunk({}, r.finish_reason or "length")
-            last["usage"] = usage()
+            last["usage"] = _usage(prompt, r)
             last["timings"] = r.timings.as_dict()
             yield last
         return _sse_done(sse(events()))
@@ -244,14 +238,7 @@ def create_app(engine: Engine, *, model_path: str = "", stats=None) -> Flask:
     @app.post("/completions/llama")
     def llama_completion():
         body = _body()
-        p = body.get("prompt")
-        if isinstance(p, str):
-            prompt = engine.tokenize(p)
-        elif isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
-            engine.detokenize(p)
-            prompt = list(p)
-        else:
-            raise RequestError("'prompt' must be a string or a list of token ids", "prompt")
+        prompt = prompt_tokens(body, one_string_list=False)
         n_predict = _get(body, "n_predict", int, -1, lo=-1)
         n = engine.check_budget(len(prompt), None if n_predict == -1 else n_predict, "n_predict")
         kw = dict(temperature=float(_get(body, "temperature", (int, float), 0.8, lo=0)),
@@ -321,6 +308,11 @@ def create_app(engine: Engine, *, model_path: str = "", stats=None) -> Flask:
         return Response((STATIC / "index.html").read_text(), mimetype="text/html")
 
     return app
+
+
+def _usage(prompt: list[int], r: Result) -> dict:
+    return {"prompt_tokens": len(prompt), "completion_tokens": r.timings.predicted_n,
+            "total_tokens": len(prompt) + r.timings.predicted_n}
 
 
 def _stop_type(r: Result) -> str:

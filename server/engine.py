@@ -229,11 +229,8 @@ class Engine:
             t.predicted_n = len(marks)
             t.predicted_ms = 1e3 * (t1 - marks[0]) if marks else 0.0
             if stop and result.finish_reason == "stop":
-                for s in stop:
-                    tail = llm.detokenize(llm._input_ids[len(prompt):].tolist()).decode("utf-8", "replace")
-                    if s in tail:
-                        result.stopping_word = s
-                        break
+                tail = llm.detokenize(llm._input_ids[len(prompt):].tolist()).decode("utf-8", "replace")
+                result.stopping_word = next((s for s in stop if s in tail), "")
             with self._totals_lock:
                 tot = self.totals
                 tot.requests += 1
