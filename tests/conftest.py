@@ -45,3 +45,20 @@ def synth_model(model_dir):
         return cache[key]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def packs(synth_model, tmp_path_factory):
+    """packs(name, **overrides) -> (original model, pack directory), packed once per distinct model.
+    Tests that damage a pack work on a copy."""
+    from ggml_expert_pack.packer import build
+    root = tmp_path_factory.mktemp("packs")
+    cache: dict = {}
+
+    def get(name: str, **overrides):
+        key = (name, tuple(sorted((k, repr(v)) for k, v in overrides.items())))
+        if key not in cache:
+            src = synth_model(name, **overrides)
+            cache[key] = (src, build(src, root / f"{name}-{len(cache)}").pack_dir)
+        return cache[key]
+    return get

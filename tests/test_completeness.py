@@ -9,27 +9,12 @@ import numpy as np
 import pytest
 
 from ggml_expert_pack.lossless import Session, cache_mib_for_slots, run
-from ggml_expert_pack.packer import build
-from ggml_expert_pack.packer.format import PACK_FILE, TRUNK_FILE, layers_from_manifest, load_manifest
+from ggml_expert_pack.packer.format import PACK_FILE, TRUNK_FILE
 from ggml_expert_pack.pybind.provider import Provider
 from conftest import TINY
 
 ARCHS = list(TINY)
 PROMPT, DECODE = 64, 32
-
-
-@pytest.fixture(scope="module")
-def packs(synth_model, tmp_path_factory):
-    root = tmp_path_factory.mktemp("trunk-packs")
-    cache = {}
-
-    def get(arch, **over):
-        key = (arch, tuple(sorted(over.items())))
-        if key not in cache:
-            src = synth_model(arch, **over)
-            cache[key] = (src, build(src, root / f"{arch}-{len(cache)}").pack_dir)
-        return cache[key]
-    return get
 
 
 @pytest.mark.parametrize("arch", ARCHS)

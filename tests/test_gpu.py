@@ -11,25 +11,11 @@ import numpy as np
 import pytest
 
 from ggml_expert_pack.lossless import cache_mib_for_slots, run
-from ggml_expert_pack.packer import build
 from ggml_expert_pack.pybind.provider import Provider
 
 pytestmark = pytest.mark.gpu
 
 ARCHS = ["qwen3moe", "deepseek4", "kimi-k3"]
-
-
-@pytest.fixture(scope="module")
-def packs(synth_model, tmp_path_factory):
-    root = tmp_path_factory.mktemp("gpu-packs")
-    cache = {}
-
-    def get(arch):
-        if arch not in cache:
-            src = synth_model(arch)
-            cache[arch] = (src, build(src, root / arch).pack_dir)
-        return cache[arch]
-    return get
 
 
 @pytest.mark.parametrize("arch", ARCHS)
