@@ -301,10 +301,21 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve(sub)
     add_bench_client(sub)
     add_policy_sim(sub)
+    for tool in ("llama-server", "llama-cli", "llama-bench"):  # listed for --help; main() passes them through
+        sub.add_parser(tool, add_help=False, help=f"the fork's {tool} (takes --expert-pack DIR and the --expert-* "
+                       f"flags; everything after it goes to {tool})")
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
+    from .tools import TOOLS, exec_tool
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in TOOLS:  # the fork's own tools take their own flags: pass everything through
+        try:
+            exec_tool(argv[0], argv[1:])
+        except (ValueError, FileNotFoundError, OSError) as e:
+            print(f"expert-pack {argv[0]}: error: {e}", file=sys.stderr)
+            return 2
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

@@ -14,14 +14,21 @@ def add_serve(sub) -> None:
                     "and a chat page at /. One generation runs at a time; others wait in arrival order.")
     p.add_argument("-m", "--model", required=True, help="GGUF model: a pack's trunk.gguf, or the original model")
     p.add_argument("--expert-pack", metavar="DIR", help="expert pack directory: stream routed experts from it")
+    # each flag also under the fork's llama-server spelling (--expert-cache-mib, ...), so that one command line
+    # serves with either server
     g = p.add_argument_group("expert cache (with --expert-pack)")
-    g.add_argument("--cache-mib", type=float, metavar="MIB",
+    g.add_argument("--cache-mib", "--expert-cache-mib", dest="cache_mib", type=float, metavar="MIB",
                    help="expert cache budget in MiB (default: all free memory less the reserve)")
-    g.add_argument("--cache-reserve-mib", type=float, metavar="MIB",
-                   help="memory left free for the rest of the model and compute buffers (provider default)")
-    g.add_argument("--stage-slots", type=int, metavar="N", help="pinned staging buffers for pack reads")
-    g.add_argument("--read-splits", type=int, metavar="N", help="parallel reads per expert")
-    g.add_argument("--stats-file", metavar="PATH", help="write the expert-pack counters to this JSON file")
+    g.add_argument("--cache-reserve-mib", "--expert-cache-reserve-mib", dest="cache_reserve_mib", type=float,
+                   metavar="MIB", help="memory left free for the rest of the model and compute buffers (default 1024)")
+    g.add_argument("--stage-slots", "--expert-stage-slots", dest="stage_slots", type=int, metavar="N",
+                   help="pinned staging buffers for pack reads")
+    g.add_argument("--read-splits", "--expert-read-splits", dest="read_splits", type=int, metavar="N",
+                   help="parallel reads per expert")
+    g.add_argument("--direct-io", "--expert-direct-io", dest="direct_io", choices=("on", "off"),
+                   help="O_DIRECT pack reads (default on; off = buffered reads, for comparison only)")
+    g.add_argument("--stats-file", "--expert-stats-file", dest="stats_file", metavar="PATH",
+                   help="write the expert-pack counters to this JSON file")
     p.add_argument("-c", "--ctx-size", type=int, default=4096, help="context size in tokens (default 4096)")
     p.add_argument("-ngl", "--n-gpu-layers", type=int, default=-1,
                    help="layers offloaded to the GPU (-1 = all, the default; ignored on a CPU build)")
@@ -39,7 +46,7 @@ def add_serve(sub) -> None:
 
 def pack_config(args) -> dict | None:
     if not args.expert_pack:
-        for flag in ("cache_mib", "cache_reserve_mib", "stage_slots", "read_splits", "stats_file"):
+        for flag in ("cache_mib", "cache_reserve_mib", "stage_slots", "read_splits", "direct_io", "stats_file"):
             if getattr(args, flag) is not None:
                 raise ValueError(f"--{flag.replace('_', '-')} needs --expert-pack")
         return None
@@ -49,6 +56,8 @@ def pack_config(args) -> dict | None:
         v = getattr(args, flag)
         if v is not None:
             cfg[key] = v
+    if args.direct_io is not None:
+        cfg["direct_io"] = args.direct_io == "on"
     return cfg
 
 

@@ -1,0 +1,143 @@
+"""The fork's own llama.cpp tools take --expert-pack (issue 6.5): llama-server answers completions from a trunk +
+pack exactly as stock llama-server does from the original GGUF; llama-bench and llama-cli run with a pack; bad
+flags and a wrong pack fail with a clear message."""
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from ggml_expert_pack.tools import tool_path
+
+try:
+    SERVER = tool_path("llama-server")
+except FileNotFoundError as e:  # a build without EXPERT_PACK_BUILD_TOOLS
+    pytest.skip(str(e), allow_module_level=True)
+
+N_CTX = 256
+PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LlamaServer:
+    def __init__(self, args: list[str], log_path):
+        self.port = _free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.log = open(log_path, "w+")
+        cmd = [str(SERVER), "--host", "127.0.0.1", "--port", str(self.port), "-c", str(N_CTX), "-t", "2",
+               "-np", "1", "--no-webui", *args]
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.time() + 120
+        while True:
+            try:
+                with urllib.request.urlopen(self.base + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            if self.proc.poll() is not None or time.time() > deadline:
+                self.stop()
+                pytest.fail(f"llama-server did not start:\n{self.output()}")
+            time.sleep(0.2)
+
+    def output(self) -> str:
+        self.log.seek(0)
+        return self.log.read()
+
+    def completion(self, **body) -> dict:
+        req = urllib.request.Request(self.base + "/completion", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return json.loads(r.read())
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def _complete(server: LlamaServer) -> dict:
+    return server.completion(prompt=PROMPT, n_predict=24, temperature=0, ignore_eos=True, cache_prompt=False,
+                             n_probs=0, seed=1)
+
+
+@pytest.mark.parametrize("arch", ["qwen3moe", "deepseek4"])
+def test_llama_server_with_pack_answers_like_stock(packs, tmp_path, arch):
+    src, pack = packs(arch)
+    stock = LlamaServer(["-m", str(src)], tmp_path / "stock.log")
+    try:
+        want = _complete(stock)
+    finally:
+        stock.stop()
+    stats = tmp_path / "stats.json"
+    # the smallest cache that holds one token's experts: every step evicts
+    ours = LlamaServer(["-m", str(pack / "trunk.gguf"), "--expert-pack", str(pack), "--expert-cache-mib", "0.001",
+                        "--expert-stats-file", str(stats), "--metrics"], tmp_path / "ours.log")
+    try:
+        got = _complete(ours)
+        again = _complete(ours)
+        with urllib.request.urlopen(ours.base + "/metrics", timeout=30) as r:
+            metrics = r.read().decode()
+    finally:
+        ours.stop()
+    assert got["content"] == want["content"] and len(got["content"]) > 0
+    assert again["content"] == want["content"]
+    assert got["timings"]["predicted_n"] == 24
+    s = json.loads(stats.read_text())
+    assert s["cache_misses"] > 0 and s["cache_evictions"] > 0 and s["io_errors"] == 0
+    assert s["pack_read_bytes"] > 0
+    assert "expert pack" in ours.output()
+    # llama-server's /metrics carries the provider's counters, under the names of expert-pack's own server
+    m = {line.split()[0]: float(line.split()[1]) for line in metrics.splitlines()
+         if line.startswith("expert_pack_")}
+    assert m["expert_pack_cache_misses_total"] > 0 and m["expert_pack_pack_read_bytes_total"] > 0
+    assert m["expert_pack_io_errors_total"] == 0 and 0 <= m["expert_pack_hit_ratio"] <= 1
+
+
+def test_llama_server_refuses_a_bad_pack(packs, tmp_path):
+    src, pack = packs("qwen3moe")
+    other_src, other_pack = packs("qwen3moe", seed=7)
+    for args, needle in [
+        (["-m", str(pack / "trunk.gguf"), "--expert-pack", str(tmp_path / "nowhere")], "nowhere"),
+        (["-m", str(pack / "trunk.gguf"), "--expert-pack", str(other_pack)], "pack"),
+        (["-m", str(pack / "trunk.gguf")], "expert-pack trunk"),
+        (["-m", str(src), "--expert-pack", str(pack), "--expert-direct-io", "maybe"], "expert-direct-io"),
+    ]:
+        r = subprocess.run([str(SERVER), "--port", str(_free_port()), "-c", str(N_CTX), *args],
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode != 0, args
+        assert needle in r.stdout + r.stderr, (args, (r.stdout + r.stderr)[-2000:])
+
+
+def test_llama_bench_with_pack(packs, tmp_path):
+    src, pack = packs("qwen3moe")
+    stats = tmp_path / "stats.json"
+    r = subprocess.run([str(tool_path("llama-bench")), "-m", str(pack / "trunk.gguf"), "--expert-pack", str(pack),
+                        "--expert-cache-mib", "0.001", "--expert-stats-file", str(stats),
+                        "-p", "16", "-n", "4", "-r", "1", "-t", "2", "-o", "json"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = json.loads(r.stdout)
+    assert {row["n_prompt"] for row in rows} == {16, 0} and all(row["avg_ts"] > 0 for row in rows)
+    assert json.loads(stats.read_text())["cache_misses"] > 0
+
+
+def test_llama_cli_with_pack(packs, tmp_path):
+    src, pack = packs("qwen3moe")
+    cli = tool_path("llama-cli")
+    r = subprocess.run([str(cli), "--help"], capture_output=True, text=True, timeout=60)
+    assert "--expert-pack" in r.stdout + r.stderr and "--expert-cache-mib" in r.stdout + r.stderr
