@@ -1,7 +1,9 @@
 """The reference workload against any llama-server-compatible endpoint (stock llama-server, `expert-pack serve`,
 the fork's llama-server): 10 fixed requests — 5 Alpaca-style, 5 MMLU-style — sent one at a time to `/completion`
 at temperature 0 with EOS ignored. Rates come from the server's own `timings`; for a server that exposes
-`expert_pack_*` counters on /metrics, the hit rate and SSD bytes per generated token come from their deltas.
+`expert_pack_*` counters on /metrics, the hit rate and SSD bytes per generated token come from their deltas;
+requests are streamed and the counters read again when the first token arrives, so the decode phase's hit rate
+and bytes per token are reported apart from the prompt's.
 
 A budget (tokens per request, seconds in all) lets a slow system report rates over what it completed.
 Only the standard library is needed to measure (the GPU machine lacks most packages); plots need matplotlib.
@@ -46,13 +48,15 @@ MMLU = [
 
 
 def requests() -> list[tuple[str, str, str]]:
-    """(dataset, name, prompt) for the 10 fixed requests, in order."""
-    out = [("alpaca", name, f"### Instruction:\n{text}\n\n### Response:\n") for name, text in ALPACA]
+    """(dataset, name, prompt) for the 10 fixed requests, in the order sent: the two datasets alternate, so that a
+    system stopped by its budget still reports both."""
+    alpaca = [("alpaca", name, f"### Instruction:\n{text}\n\n### Response:\n") for name, text in ALPACA]
+    mmlu = []
     for name, q, opts in MMLU:
         letters = "\n".join(f"{'ABCD'[i]}. {o}" for i, o in enumerate(opts))
-        out.append(("mmlu", name, f"Question: {q}\n{letters}\nGive the answer letter and a short explanation.\n"
-                                  "Answer:"))
-    return out
+        mmlu.append(("mmlu", name, f"Question: {q}\n{letters}\nGive the answer letter and a short explanation.\n"
+                                   "Answer:"))
+    return [r for pair in zip(alpaca, mmlu) for r in pair]
 
 
 @dataclass
@@ -64,9 +68,12 @@ class RequestResult:
     predicted_n: int = 0
     predicted_ms: float = 0.0
     wall_s: float = 0.0
-    cache_hits: int | None = None
+    cache_hits: int | None = None        # the whole request (prefill and decode)
     cache_misses: int | None = None
     pack_read_bytes: int | None = None
+    decode_hits: int | None = None       # from the first streamed token to the end: the decode phase
+    decode_misses: int | None = None
+    decode_read_bytes: int | None = None
     error: str | None = None
 
 
@@ -104,8 +111,36 @@ def pack_counters(base: str) -> dict | None:
     return out or None
 
 
+def _stream_completion(url: str, body: dict, timeout: float, on_first_token) -> dict:
+    """POST a streamed /completion; call on_first_token() when the first token arrives (prefill is over) and
+    return the final chunk (the one with `timings`)."""
+    req = urllib.request.Request(url, data=json.dumps({**body, "stream": True}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    last, first = None, True
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        for raw in r:
+            line = raw.decode().strip()
+            if not line.startswith("data:"):
+                continue
+            payload = line[5:].strip()
+            if payload == "[DONE]":
+                break
+            chunk = json.loads(payload)
+            if first:
+                first = False
+                on_first_token()
+            last = chunk
+            if chunk.get("stop"):
+                break
+    if last is None or "timings" not in last:
+        raise ValueError("the stream ended without timings")
+    return last
+
+
 def run(base: str, system: str, n_predict: int = 200, budget_s: float = 3600.0, timeout_s: float = 3600.0,
         log=print) -> Report:
+    """Send the workload. Requests are streamed so that the expert-pack counters can be read when the first token
+    arrives: what was read for the prompt and what was read while decoding are reported apart."""
     base = base.rstrip("/")
     rep = Report(system=system, url=base, date=time.strftime("%Y-%m-%d %H:%M:%S %Z"), n_predict=n_predict,
                  budget_s=budget_s)
@@ -116,12 +151,15 @@ def run(base: str, system: str, n_predict: int = 200, budget_s: float = 3600.0, 
             rep.skipped += 1
             continue
         before = pack_counters(base)
+        mid: list = []
         r = RequestResult(dataset, name)
         t0 = time.time()
         try:
-            out = _post(base + "/completion", {"prompt": prompt, "n_predict": n_predict, "temperature": 0,
-                                               "ignore_eos": True, "cache_prompt": False, "stream": False},
-                        timeout=min(timeout_s, max(left, 1.0)))
+            out = _stream_completion(base + "/completion", {"prompt": prompt, "n_predict": n_predict,
+                                                            "temperature": 0, "ignore_eos": True,
+                                                            "cache_prompt": False},
+                                     timeout=min(timeout_s, max(left, 1.0)),
+                                     on_first_token=lambda: mid.append(pack_counters(base) if before else None))
             t = out["timings"]
             r.prompt_n, r.prompt_ms = int(t["prompt_n"]), float(t["prompt_ms"])
             r.predicted_n, r.predicted_ms = int(t["predicted_n"]), float(t["predicted_ms"])
@@ -134,6 +172,10 @@ def run(base: str, system: str, n_predict: int = 200, budget_s: float = 3600.0, 
             r.cache_hits = int(after.get("cache_hits", 0) - before.get("cache_hits", 0))
             r.cache_misses = int(after.get("cache_misses", 0) - before.get("cache_misses", 0))
             r.pack_read_bytes = int(after.get("pack_read_bytes", 0) - before.get("pack_read_bytes", 0))
+            if mid and mid[0]:
+                r.decode_hits = int(after.get("cache_hits", 0) - mid[0].get("cache_hits", 0))
+                r.decode_misses = int(after.get("cache_misses", 0) - mid[0].get("cache_misses", 0))
+                r.decode_read_bytes = int(after.get("pack_read_bytes", 0) - mid[0].get("pack_read_bytes", 0))
         rep.results.append(r)
         log(f"{system} {dataset}/{name}: " + (r.error or f"prefill {r.prompt_n} tok {_rate(r.prompt_n, r.prompt_ms):.1f} "
             f"tok/s, decode {r.predicted_n} tok {_rate(r.predicted_n, r.predicted_ms):.2f} tok/s"))
@@ -161,7 +203,14 @@ def summarize(results: list[RequestResult]) -> dict:
             hits, misses = sum(r.cache_hits for r in rs), sum(r.cache_misses for r in rs)
             row["hit_rate"] = hits / (hits + misses) if hits + misses else 0.0
             # all bytes read for these requests (prefill included) over the tokens they generated
-            row["ssd_bytes_per_token"] = sum(r.pack_read_bytes for r in rs) / max(1, row["predicted_tokens"])
+            row["ssd_bytes_per_token_all"] = sum(r.pack_read_bytes for r in rs) / max(1, row["predicted_tokens"])
+            row["ssd_bytes_per_token"] = row["ssd_bytes_per_token_all"]
+        if all(r.decode_hits is not None for r in rs):
+            hits, misses = sum(r.decode_hits for r in rs), sum(r.decode_misses for r in rs)
+            row["decode_hit_rate"] = hits / (hits + misses) if hits + misses else 0.0
+            # the decode phase: tokens after the first (the first comes from the prompt's step)
+            row["ssd_bytes_per_token"] = (sum(r.decode_read_bytes for r in rs) /
+                                          max(1, sum(max(0, r.predicted_n - 1) for r in rs)))
         out[ds] = row
     return out
 
@@ -181,7 +230,8 @@ def markdown_table(reports: list[dict], baseline: str | None = None) -> str:
         for rep in reports:
             if rep["system"] == baseline:
                 base = rep["summary"]
-    head = "| system | dataset | requests | prefill tok/s | decode tok/s | hit rate | SSD MB/token |"
+    head = ("| system | dataset | requests | prefill tok/s | decode tok/s | hit rate (all / decode) | "
+            "SSD MB per decode token |")
     sep = "|---|---|---|---|---|---|---|"
     if base:
         head += f" prefill ÷ {baseline} | decode ÷ {baseline} |"
@@ -190,6 +240,8 @@ def markdown_table(reports: list[dict], baseline: str | None = None) -> str:
     for rep in reports:
         for ds, row in rep["summary"].items():
             hr = f"{row['hit_rate']:.3f}" if "hit_rate" in row else "–"
+            if "decode_hit_rate" in row:
+                hr += f" / {row['decode_hit_rate']:.3f}"
             mb = f"{row['ssd_bytes_per_token'] / 1e6:.1f}" if "ssd_bytes_per_token" in row else "–"
             line = (f"| {rep['system']} | {ds} | {row['requests']} | {row['prefill_tok_s']:.1f} | "
                     f"{row['decode_tok_s']:.2f} | {hr} | {mb} |")

@@ -8,6 +8,8 @@
 #   scripts/gpu.sh test OUT               the test suite, GPU tests included
 #   scripts/gpu.sh bench OUT NAME [ARGS]  a benchmark: python scripts/bench_NAME.py --out OUT ARGS
 #   scripts/gpu.sh all OUT                build, then test
+#   scripts/gpu.sh archs OUT              release archs (EP_RELEASE_ARCHS, default "89;90a;120"): compile one CUDA
+#                                         object for all of them and list its cubins with cuobjdump (not run)
 #   scripts/gpu.sh start STAGE OUT        run STAGE detached (setsid); it outlives the command
 #   scripts/gpu.sh wait OUT [SECONDS]     wait for detached stages, then copy their logs into OUT
 # Every stage appends "stage<TAB>seconds<TAB>exit" to OUT/stages.tsv and logs to OUT/<stage>.log.
@@ -81,6 +83,23 @@ do_build() {
   $PY -c "from ggml_expert_pack.libggml import gpu_devices; d = gpu_devices(); print('GPU devices:', d); assert d or '${EP_CUDA:-ON}' == 'OFF'"
 }
 
+do_archs() {
+  # A release build adds the cards users have. Compiling all of ggml-cuda for three archs takes ~3x a build, more
+  # device time than a session has; one object of ggml-cuda through the same CMake path shows that the option
+  # reaches nvcc and yields SASS for each arch.
+  local out=$1 archs=${EP_RELEASE_ARCHS:-89;90a;120} dir=build/release-archs
+  cmake -S . -B "$dir" -G Ninja -DGGML_CUDA=ON "-DCMAKE_CUDA_ARCHITECTURES=$archs" -DCMAKE_BUILD_TYPE=Release \
+    >"$out/archs-configure.log" 2>&1 || { tail -20 "$out/archs-configure.log"; return 1; }
+  local obj=llama.cpp/ggml/src/ggml-cuda/CMakeFiles/ggml-cuda.dir/argmax.cu.o
+  cmake --build "$dir" --target "$obj" || return 1
+  cuobjdump --list-elf "$dir/$obj" | tee "$out/archs-cuobjdump.txt"
+  local a rc=0
+  for a in ${archs//;/ }; do
+    grep -q "sm_${a}" "$out/archs-cuobjdump.txt" && log "sm_${a}: present" || { log "sm_${a}: MISSING"; rc=1; }
+  done
+  return $rc
+}
+
 do_test() {
   env_site
   $PY -m pytest -ra --junitxml="$1/junit.xml" "${@:2}"
@@ -97,6 +116,7 @@ case "${1:-}" in
   test)   out=$2; shift 2; timed "$out" test do_test "$out" "$@" ;;
   bench)  out=$2; name=$3; shift 3; timed "$out" "bench-$name" do_bench "$out" "$name" "$@" ;;
   all)    timed "$2" build do_build && timed "$2" test do_test "$2" ;;
+  archs)  timed "$2" archs do_archs "$2" ;;
   start)
     stage=$2; mkdir -p "$EP_STATE/$stage"; rm -f "$EP_STATE/$stage/done"
     setsid bash -c "'$0' $stage '$EP_STATE/$stage' ${*:4}; echo \$? > '$EP_STATE/$stage/done'" \

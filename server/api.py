@@ -363,6 +363,11 @@ def metrics_text(engine: Engine, pack: dict | None) -> str:
         for k, h in help_.items():
             if k in pack:
                 rows.append((f"expert_pack_{k}_total", "counter", h, pack[k]))
+        for k, h in (("acquire_ms", "Time in the acquire op (lookups, reads, copies)."),
+                     ("read_ms", "Time spent reading the pack."),
+                     ("copy_wait_ms", "Time waiting for staging buffers and copies.")):
+            if k in pack:
+                rows.append((f"expert_pack_{k[:-3]}_seconds_total", "counter", h, float(pack[k]) / 1e3))
         hits, misses = pack.get("cache_hits", 0), pack.get("cache_misses", 0)
         rows.append(("expert_pack_hit_ratio", "gauge", "cache_hits / (cache_hits + cache_misses).",
                      hits / (hits + misses) if hits + misses else 0.0))

@@ -325,12 +325,16 @@ def test_bench_client_reference_workload(server, tmp_path):
     out = tmp_path / "bench"
     assert main(["bench-client", server, "--system", "ours", "--out", str(out), "--n-predict", "6"]) == 0
     rep = json.loads((out / "ours.json").read_text())
-    assert rep["completed"] == 10 and [r["dataset"] for r in rep["results"]] == ["alpaca"] * 5 + ["mmlu"] * 5
+    assert rep["completed"] == 10 and [r["dataset"] for r in rep["results"]] == ["alpaca", "mmlu"] * 5
     assert all(r["predicted_n"] == 6 and r["error"] is None for r in rep["results"])
     for ds in ("alpaca", "mmlu", "all"):
         row = rep["summary"][ds]
         assert row["decode_tok_s"] > 0 and row["prefill_tok_s"] > 0
         assert 0 <= row["hit_rate"] <= 1 and row["ssd_bytes_per_token"] >= 0
+        # the decode phase apart from the prompt's (counters read again at the first streamed token)
+        assert 0 <= row["decode_hit_rate"] <= 1 and row["ssd_bytes_per_token_all"] >= row["ssd_bytes_per_token"] * 0
+    r0 = rep["results"][0]
+    assert r0["decode_read_bytes"] <= r0["pack_read_bytes"] and r0["decode_hits"] + r0["decode_misses"] > 0
     # a second system read from the same folder: the table divides by the baseline
     other = {**rep, "system": "other"}
     (out / "other.json").write_text(json.dumps(other))

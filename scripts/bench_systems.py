@@ -1,0 +1,289 @@
+#!/usr/bin/env python3
+"""The reference workload on several systems side by side, under a host-RAM cap (issue 8; DESIGN.md §5).
+
+    python scripts/bench_systems.py --out RESULTS [--systems b,c,e,d,c-tiny,a] [--budget-s 150] ...
+
+For each system: drop the page cache, start the server inside a cgroup v2 whose memory.max is --ram-cap of the
+model (page cache included), wait for /health, send the reference workload with `expert-pack bench-client`'s code
+(10 fixed requests, temperature 0, EOS ignored, a seconds budget), read the server's CPU time and the cgroup's
+memory figures, stop it. Systems:
+  a       stock llama-server, experts in host RAM (--cpu-moe), the rest on the GPU
+  b       stock llama-server, all weights on the GPU (the all-hit ceiling; the RAM cap only slows its load)
+  c       expert-pack serve (our Python server), O_DIRECT reads, cache --cache-frac of the experts
+  d       the same with buffered reads (direct_io off)
+  e       the fork's own llama-server --expert-pack, cache as (c)
+  c-tiny  (c) with a cache of --tiny-cache-frac of the experts (the reference's Kimi-K3 ratio)
+  f       (c) plus a host-RAM tier of --ram-tier-frac of the model (only if the provider knows ram_cache_mib)
+"stock" is the fork's llama-server binary without --expert-pack: the patches are inert without a pack (the
+lossless tests show stock-identical logits on that path), so it is the same source and build as (e).
+
+Also measured in the same run: O_DIRECT read bandwidth at expert granularity and pinned/pageable host-to-device
+bandwidth. Each system's result goes to OUT/SYSTEM.json (bench-client's report plus the run's extras), then
+OUT/table.md and OUT/rates.png from every JSON in OUT (results of several sessions can be assembled).
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import asdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_decode import drop_caches, odirect_bandwidth  # noqa: E402
+
+CGROUP = Path("/sys/fs/cgroup")
+
+
+# ---- machine figures ---------------------------------------------------------------------------------------
+def h2d_bandwidth(mib: int = 256, reps: int = 8) -> dict | None:
+    """Pinned and pageable host-to-device copy bandwidth through the CUDA runtime (ctypes), or None."""
+    for name in ("libcudart.so", "libcudart.so.13", "libcudart.so.12"):
+        try:
+            rt = ctypes.CDLL(name)
+            break
+        except OSError:
+            continue
+    else:
+        return None
+    n = mib << 20
+    dev, pinned = ctypes.c_void_p(), ctypes.c_void_p()
+    if rt.cudaMalloc(ctypes.byref(dev), ctypes.c_size_t(n)) or rt.cudaMallocHost(ctypes.byref(pinned), ctypes.c_size_t(n)):
+        return None
+    pageable = ctypes.create_string_buffer(n)
+    out = {}
+    for label, src in (("pinned", pinned), ("pageable", ctypes.cast(pageable, ctypes.c_void_p))):
+        rt.cudaMemcpy(dev, src, ctypes.c_size_t(n), 1)  # warm-up; 1 = cudaMemcpyHostToDevice
+        rt.cudaDeviceSynchronize()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            rt.cudaMemcpy(dev, src, ctypes.c_size_t(n), 1)
+        rt.cudaDeviceSynchronize()
+        out[f"{label}_bytes_per_s"] = reps * n / (time.perf_counter() - t0)
+    rt.cudaFree(dev)
+    rt.cudaFreeHost(pinned)
+    return out
+
+
+# ---- cgroup (host-RAM cap) -----------------------------------------------------------------------------------
+def make_cgroup(name: str, max_bytes: int) -> Path | None:
+    """A cgroup v2 with memory.max (page cache counts against it, swap off); None where cgroups are unavailable."""
+    try:
+        ctl = (CGROUP / "cgroup.subtree_control")
+        if "memory" not in ctl.read_text().split():
+            ctl.write_text("+memory")
+        cg = CGROUP / name
+        cg.mkdir(exist_ok=True)
+        (cg / "memory.max").write_text(str(max_bytes))
+        try:
+            (cg / "memory.swap.max").write_text("0")
+        except OSError:
+            pass
+        return cg
+    except OSError as e:
+        print(f"no cgroup v2 memory controller ({e}): running without the RAM cap", file=sys.stderr)
+        return None
+
+
+def cgroup_figures(cg: Path | None) -> dict:
+    if cg is None:
+        return {}
+    out = {}
+    for f in ("memory.peak", "memory.current", "memory.max"):
+        try:
+            out[f.replace(".", "_")] = (cg / f).read_text().strip()
+        except OSError:
+            pass
+    try:
+        stat = dict(line.split() for line in (cg / "memory.stat").read_text().splitlines())
+        out.update({f"stat_{k}": int(stat[k]) for k in ("anon", "file", "pgmajfault") if k in stat})
+    except OSError:
+        pass
+    return out
+
+
+# ---- servers -------------------------------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cpu_seconds(pid: int) -> tuple[float, float]:
+    """(user, system) CPU seconds of a process, all its threads."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    tick = os.sysconf("SC_CLK_TCK")
+    return int(fields[11]) / tick, int(fields[12]) / tick
+
+
+class Server:
+    def __init__(self, cmd: list[str], log: Path, cg: Path | None, timeout_s: float = 600):
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        cmd = [c.replace("{port}", str(self.port)) for c in cmd]
+        self.log = open(log, "w")
+        print("$", " ".join(cmd), flush=True)
+
+        def enter_cgroup():
+            os.setsid()
+            if cg is not None:
+                (cg / "cgroup.procs").write_text(str(os.getpid()))
+        t0 = time.time()
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, preexec_fn=enter_cgroup)
+        while True:
+            try:
+                with urllib.request.urlopen(self.base + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if self.proc.poll() is not None or time.time() - t0 > timeout_s:
+                self.stop()
+                raise RuntimeError(f"server did not start (exit {self.proc.returncode}); log: {log}")
+            time.sleep(0.5)
+        self.load_s = time.time() - t0
+
+    def stop(self):
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self.log.close()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--model", type=Path, default=Path("/tmp/ep-bench/30b-a3b.gguf"),
+                    help="the original GGUF (generated with --shape if missing)")
+    ap.add_argument("--pack", type=Path, default=Path("/tmp/ep-bench/30b-a3b.pack"), help="its pack (built if missing)")
+    ap.add_argument("--shape", default="30b-a3b")
+    ap.add_argument("--systems", default="b,c,e,d,c-tiny,f,a")
+    ap.add_argument("--ram-cap", type=float, default=0.20, help="host RAM cap as a fraction of the model file")
+    ap.add_argument("--cache-frac", type=float, default=0.14, help="expert cache as a fraction of the experts")
+    ap.add_argument("--tiny-cache-frac", type=float, default=0.005)
+    ap.add_argument("--ram-tier-frac", type=float, default=0.10, help="host-RAM tier (system f), fraction of model")
+    ap.add_argument("--n-predict", type=int, default=200)
+    ap.add_argument("--budget-s", type=float, default=150, help="seconds per system for the workload")
+    ap.add_argument("--slow-n-predict", type=int, default=4, help="tokens per request for system a")
+    ap.add_argument("--ctx", type=int, default=2048)
+    ap.add_argument("--prepare-only", action="store_true", help="generate and pack the model, then stop")
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    from ggml_expert_pack import bench_client
+    from ggml_expert_pack.lossless import cache_mib_for_slots
+    from ggml_expert_pack.packer import build
+    from ggml_expert_pack.packer.format import load_manifest
+    from ggml_expert_pack.tools import tool_path
+
+    py = [sys.executable, "-m", "ggml_expert_pack.cli"]
+    if not args.model.exists():
+        args.model.parent.mkdir(parents=True, exist_ok=True)
+        subprocess.run(py + ["synth", str(args.model), "--shape", args.shape, "--quiet"], check=True)
+    if not (args.pack / "manifest.json").exists():
+        build(args.model, args.pack, force=True)
+    if args.prepare_only:
+        return 0
+
+    m = load_manifest(args.pack)
+    n_exp = m["n_experts"]
+    model_bytes = args.model.stat().st_size
+    trunk = args.pack / "trunk.gguf"
+    slots = max(m.get("n_expert_used", 8), round(args.cache_frac * n_exp))
+    tiny_slots = max(m.get("n_expert_used", 8), round(args.tiny_cache_frac * n_exp))
+    cache_mib = cache_mib_for_slots(args.pack, slots)
+    tiny_mib = cache_mib_for_slots(args.pack, tiny_slots)
+    cap = int(args.ram_cap * model_bytes)
+    run_info = {"date": time.strftime("%Y-%m-%d %H:%M %Z"), "model": str(args.model), "model_bytes": model_bytes,
+                "n_experts": n_exp, "ram_cap_bytes": cap, "cache_slots": slots, "cache_mib": cache_mib,
+                "tiny_cache_slots": tiny_slots, "tiny_cache_mib": tiny_mib, "cpus": os.cpu_count()}
+    drop_caches()
+    run_info["odirect"] = odirect_bandwidth(args.pack)
+    run_info["h2d"] = h2d_bandwidth()
+    (args.out / "machine.json").write_text(json.dumps(run_info, indent=1) + "\n")
+    print(json.dumps(run_info, indent=1), flush=True)
+
+    server = str(tool_path("llama-server"))
+    common = ["--host", "127.0.0.1", "--port", "{port}", "-c", str(args.ctx), "-np", "1", "-ngl", "99", "--metrics",
+              "--no-webui"]
+    ours = py + ["serve", "-m", str(trunk), "--expert-pack", str(args.pack), "--port", "{port}", "-c", str(args.ctx),
+                 "-ngl", "-1"]
+    ram_tier_mib = args.ram_tier_frac * model_bytes / 2**20
+    systems = {
+        "a": ([server, "-m", str(args.model), "--cpu-moe", *common], args.slow_n_predict),
+        "b": ([server, "-m", str(args.model), *common], args.n_predict),
+        "c": (ours + ["--cache-mib", f"{cache_mib}"], args.n_predict),
+        "d": (ours + ["--cache-mib", f"{cache_mib}", "--direct-io", "off"], args.n_predict),
+        "e": ([server, "-m", str(trunk), "--expert-pack", str(args.pack), "--expert-cache-mib", f"{cache_mib}",
+               *common], args.n_predict),
+        "c-tiny": (ours + ["--cache-mib", f"{tiny_mib}"], args.n_predict),
+        "f": (ours + ["--cache-mib", f"{cache_mib}", "--ram-cache-mib", f"{ram_tier_mib:.0f}"], args.n_predict),
+    }
+    names = {"a": "a-stock-cpu-moe", "b": "b-stock-all-gpu", "c": "c-ours-odirect", "d": "d-ours-buffered",
+             "e": "e-fork-llama-server", "c-tiny": "c-ours-odirect-tiny-cache", "f": "f-ours-ram-tier"}
+    cg = make_cgroup("expert-pack-bench", cap)
+    for key in args.systems.split(","):
+        cmd, n_predict = systems[key]
+        if key == "f":
+            probe = subprocess.run(py + ["serve", "--help"], capture_output=True, text=True)
+            if "--ram-cache-mib" not in probe.stdout:
+                print("system f skipped: this build has no host-RAM tier", flush=True)
+                continue
+        name = names[key]
+        drop_caches()
+        if cg is not None:
+            try:
+                (cg / "memory.reclaim").write_text(str(1 << 40))
+                (cg / "memory.peak").write_text("0")  # resettable on recent kernels
+            except OSError:
+                pass
+        try:
+            srv = Server(cmd, args.out / f"{name}.log", cg)
+        except RuntimeError as e:
+            print(f"{name}: {e}", flush=True)
+            (args.out / f"{name}.error").write_text(str(e) + "\n")
+            continue
+        try:
+            u0, s0 = cpu_seconds(srv.proc.pid)
+            before = bench_client.pack_counters(srv.base)
+            rep = bench_client.run(srv.base, name, n_predict=n_predict, budget_s=args.budget_s)
+            u1, s1 = cpu_seconds(srv.proc.pid)
+            after = bench_client.pack_counters(srv.base)
+            d = asdict(rep)
+            extra = {"load_s": srv.load_s, "cpu_user_s": u1 - u0, "cpu_sys_s": s1 - s0, "command": cmd,
+                     "cgroup": cgroup_figures(cg), "run": run_info}
+            if before and after:
+                delta = {k: after[k] - before.get(k, 0) for k in after if k != "hit_ratio"}
+                extra["pack_delta"] = delta
+                gb = delta.get("pack_read_bytes", 0) / 1e9
+                if gb > 0:
+                    extra["cpu_s_per_gb_read"] = (u1 - u0 + s1 - s0) / gb
+                    extra["cpu_sys_s_per_gb_read"] = (s1 - s0) / gb
+            d["extra"] = extra
+            (args.out / f"{name}.json").write_text(json.dumps(d, indent=1) + "\n")
+            print(bench_client.markdown_table([d]), flush=True)
+        finally:
+            srv.stop()
+    reports = bench_client.load_reports(sorted(p for p in args.out.glob("*.json") if p.name != "machine.json"))
+    (args.out / "table.md").write_text(bench_client.markdown_table(reports, "a-stock-cpu-moe"))
+    try:
+        bench_client.plot(reports, args.out / "rates.png")
+    except ImportError:
+        pass
+    print((args.out / "table.md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
