@@ -3,7 +3,8 @@ the fork's llama-server): 10 fixed requests — 5 Alpaca-style, 5 MMLU-style —
 at temperature 0 with EOS ignored. Rates come from the server's own `timings`; for a server that exposes
 `expert_pack_*` counters on /metrics, the hit rate and SSD bytes per generated token come from their deltas;
 requests are streamed and the counters read again when the first token arrives, so the decode phase's hit rate
-and bytes per token are reported apart from the prompt's.
+and bytes per token are reported apart from the prompt's (exact when a token takes longer than a /metrics round
+trip, as it does on any model worth streaming; on a toy model the phases blur).
 
 A budget (tokens per request, seconds in all) lets a slow system report rates over what it completed.
 Only the standard library is needed to measure (the GPU machine lacks most packages); plots need matplotlib.

