@@ -8,6 +8,9 @@
 #   scripts/gpu.sh test OUT               the test suite, GPU tests included
 #   scripts/gpu.sh bench OUT NAME [ARGS]  a benchmark: python scripts/bench_NAME.py --out OUT ARGS
 #   scripts/gpu.sh all OUT                build, then test
+#   scripts/gpu.sh pipeline OUT [ARGS]   build; the tests while the benchmark model is generated and packed; archs;
+#                                         then scripts/bench_systems.py ARGS (issue 8) -- meant for `start`
+#   scripts/gpu.sh collect OUT            everything the detached stages wrote -> OUT/results.tgz (one file back)
 #   scripts/gpu.sh archs OUT              release archs (EP_RELEASE_ARCHS, default "89;90a;120"): compile one CUDA
 #                                         object for all of them and list its cubins with cuobjdump (not run)
 #   scripts/gpu.sh start STAGE OUT        run STAGE detached (setsid); it outlives the command
@@ -110,6 +113,18 @@ do_bench() {
   $PY "scripts/bench_$2.py" --out "$1" "${@:3}"
 }
 
+do_pipeline() {
+  local out=$1; shift
+  timed "$out" build do_build || return 1
+  env_site
+  ( $PY scripts/bench_systems.py --out "$out/systems" --prepare-only > "$out/prepare.log" 2>&1; echo "prepare exit $?" >> "$out/prepare.log" ) &
+  local prep=$!
+  EP_SKIP_ARCHS_TOOL=1 timed "$out" test do_test "$out" -q
+  timed "$out" archs do_archs "$out"
+  wait $prep
+  timed "$out" bench-systems do_bench "$out/systems" systems "$@"
+}
+
 case "${1:-}" in
   bundle) do_bundle ;;
   build)  timed "$2" build do_build ;;
@@ -117,6 +132,8 @@ case "${1:-}" in
   bench)  out=$2; name=$3; shift 3; timed "$out" "bench-$name" do_bench "$out" "$name" "$@" ;;
   all)    timed "$2" build do_build && timed "$2" test do_test "$2" ;;
   archs)  timed "$2" archs do_archs "$2" ;;
+  pipeline) out=$2; shift 2; do_pipeline "$out" "$@" ;;
+  collect) mkdir -p "$2"; tar czf "$2/results.tgz" --exclude='*.gguf' --exclude='*.pack' -C "$EP_STATE" . && ls -la "$2" ;;
   start)
     stage=$2; mkdir -p "$EP_STATE/$stage"; rm -f "$EP_STATE/$stage/done"
     setsid bash -c "'$0' $stage '$EP_STATE/$stage' ${*:4}; echo \$? > '$EP_STATE/$stage/done'" \

@@ -12,6 +12,7 @@ import urllib.request
 
 import pytest
 
+from ggml_expert_pack.lossless import cache_mib_for_slots
 from ggml_expert_pack.tools import tool_path
 
 try:
@@ -84,8 +85,9 @@ def test_llama_server_with_pack_answers_like_stock(packs, tmp_path, arch):
     finally:
         stock.stop()
     stats = tmp_path / "stats.json"
-    # the smallest cache that holds one token's experts: every step evicts
-    ours = LlamaServer(["-m", str(pack / "trunk.gguf"), "--expert-pack", str(pack), "--expert-cache-mib", "0.001",
+    # the smallest cache that holds one token's experts (top-4 of the tiny models): every step evicts
+    ours = LlamaServer(["-m", str(pack / "trunk.gguf"), "--expert-pack", str(pack),
+                        "--expert-cache-mib", f"{cache_mib_for_slots(pack, 4)}", "--expert-cache-reserve-mib", "0",
                         "--expert-stats-file", str(stats), "--metrics"], tmp_path / "ours.log")
     try:
         got = _complete(ours)
@@ -127,7 +129,8 @@ def test_llama_bench_with_pack(packs, tmp_path):
     src, pack = packs("qwen3moe")
     stats = tmp_path / "stats.json"
     r = subprocess.run([str(tool_path("llama-bench")), "-m", str(pack / "trunk.gguf"), "--expert-pack", str(pack),
-                        "--expert-cache-mib", "0.001", "--expert-stats-file", str(stats),
+                        "--expert-cache-mib", f"{cache_mib_for_slots(pack, 4)}", "--expert-cache-reserve-mib", "0",
+                        "--expert-stats-file", str(stats),
                         "-p", "16", "-n", "4", "-r", "1", "-t", "2", "-o", "json"],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -136,8 +139,21 @@ def test_llama_bench_with_pack(packs, tmp_path):
     assert json.loads(stats.read_text())["cache_misses"] > 0
 
 
-def test_llama_cli_with_pack(packs, tmp_path):
+def _cli_reply(model, *extra) -> str:
+    r = subprocess.run([str(tool_path("llama-cli")), "-m", str(model), *extra, "-p", "Hello there", "-n", "12",
+                        "-st", "--temp", "0", "-c", str(N_CTX), "-t", "2"],
+                       capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+    assert r.returncode == 0, r.stderr[-3000:]
+    # the single turn's reply: after the echoed prompt, before the speed line
+    reply = r.stdout.split("> Hello there", 1)[1].split("[ Prompt:", 1)[0].strip()
+    assert reply
+    return reply
+
+
+def test_llama_cli_with_pack(packs):
     src, pack = packs("qwen3moe")
-    cli = tool_path("llama-cli")
-    r = subprocess.run([str(cli), "--help"], capture_output=True, text=True, timeout=60)
+    r = subprocess.run([str(tool_path("llama-cli")), "--help"], capture_output=True, text=True, timeout=60)
     assert "--expert-pack" in r.stdout + r.stderr and "--expert-cache-mib" in r.stdout + r.stderr
+    ours = _cli_reply(pack / "trunk.gguf", "--expert-pack", str(pack), "--expert-cache-mib",
+                      f"{cache_mib_for_slots(pack, 4)}", "--expert-cache-reserve-mib", "0")
+    assert ours == _cli_reply(src)
