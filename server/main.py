@@ -19,6 +19,9 @@ def add_serve(sub) -> None:
                    help="expert cache budget in MiB (default: all free memory less the reserve)")
     g.add_argument("--cache-reserve-mib", type=float, metavar="MIB",
                    help="memory left free for the rest of the model and compute buffers (provider default)")
+    g.add_argument("--ram-cache-mib", type=float, metavar="MIB",
+                   help="host-RAM tier of whole experts between the pack and the cache, in MiB (pinned on a GPU: "
+                        "leave the OS, the model and the page cache room; default 0 = off)")
     g.add_argument("--stage-slots", type=int, metavar="N", help="pinned staging buffers for pack reads")
     g.add_argument("--read-splits", type=int, metavar="N", help="parallel reads per expert")
     g.add_argument("--stats-file", metavar="PATH", help="write the expert-pack counters to this JSON file")
@@ -39,12 +42,13 @@ def add_serve(sub) -> None:
 
 def pack_config(args) -> dict | None:
     if not args.expert_pack:
-        for flag in ("cache_mib", "cache_reserve_mib", "stage_slots", "read_splits", "stats_file"):
+        for flag in ("cache_mib", "cache_reserve_mib", "ram_cache_mib", "stage_slots", "read_splits", "stats_file"):
             if getattr(args, flag) is not None:
                 raise ValueError(f"--{flag.replace('_', '-')} needs --expert-pack")
         return None
     cfg: dict = {"pack_dir": args.expert_pack}
     for flag, key in (("cache_mib", "cache_vram_mib"), ("cache_reserve_mib", "cache_vram_reserve_mib"),
+                      ("ram_cache_mib", "ram_cache_mib"),
                       ("stage_slots", "stage_slots"), ("read_splits", "read_splits"), ("stats_file", "stats_path")):
         v = getattr(args, flag)
         if v is not None:

@@ -18,6 +18,8 @@ struct config {
     std::string stats_path;                     // stats JSON written every stats_flush_interval steps
     int32_t     stats_flush_interval  = 64;
     bool        verify_pack_sha256    = true;   // verify each block's checksum (XXH3-128) as it is read
+    double      ram_cache_mib         = 0;      // host-RAM tier of whole expert blocks (pinned on a GPU); 0 = off
+    std::string trace_path;                     // append the router's expert ids per step and layer; "" = off
 
     std::string to_json() const;
 };
