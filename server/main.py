@@ -24,6 +24,8 @@ def add_serve(sub) -> None:
                         "leave the OS, the model and the page cache room; default 0 = off)")
     g.add_argument("--stage-slots", type=int, metavar="N", help="pinned staging buffers for pack reads")
     g.add_argument("--read-splits", type=int, metavar="N", help="parallel reads per expert")
+    g.add_argument("--read-threads", type=int, metavar="N",
+                   help="threads reading a step's missed experts concurrently (default 1)")
     g.add_argument("--stats-file", metavar="PATH", help="write the expert-pack counters to this JSON file")
     p.add_argument("-c", "--ctx-size", type=int, default=4096, help="context size in tokens (default 4096)")
     p.add_argument("-ngl", "--n-gpu-layers", type=int, default=-1,
@@ -42,14 +44,16 @@ def add_serve(sub) -> None:
 
 def pack_config(args) -> dict | None:
     if not args.expert_pack:
-        for flag in ("cache_mib", "cache_reserve_mib", "ram_cache_mib", "stage_slots", "read_splits", "stats_file"):
+        for flag in ("cache_mib", "cache_reserve_mib", "ram_cache_mib", "stage_slots", "read_splits", "read_threads",
+                     "stats_file"):
             if getattr(args, flag) is not None:
                 raise ValueError(f"--{flag.replace('_', '-')} needs --expert-pack")
         return None
     cfg: dict = {"pack_dir": args.expert_pack}
     for flag, key in (("cache_mib", "cache_vram_mib"), ("cache_reserve_mib", "cache_vram_reserve_mib"),
                       ("ram_cache_mib", "ram_cache_mib"),
-                      ("stage_slots", "stage_slots"), ("read_splits", "read_splits"), ("stats_file", "stats_path")):
+                      ("stage_slots", "stage_slots"), ("read_splits", "read_splits"),
+                      ("read_threads", "read_threads"), ("stats_file", "stats_path")):
         v = getattr(args, flag)
         if v is not None:
             cfg[key] = v

@@ -1,7 +1,8 @@
-"""The host-RAM tier (issue 9): a pool of whole expert blocks in host memory between the pack and the device
-cache. With it the logits stay bit-identical to stock llama.cpp, every device-cache miss is a RAM hit or a pack
-read, a tier that holds everything serves a second run without touching the pack, an I/O error fails only the
-request it hits, and bad sizes are refused naming the key."""
+"""The host-RAM tier and concurrent miss reads (issue 9). The tier is a pool of whole expert blocks in host
+memory between the pack and the device cache. With it the logits stay bit-identical to stock llama.cpp, every
+device-cache miss is a RAM hit or a pack read, a tier that holds everything serves a second run without
+touching the pack, an I/O error fails only the request it hits, and bad sizes are refused naming the key; the
+same holds with read_threads > 1."""
 from __future__ import annotations
 
 import numpy as np
@@ -162,3 +163,71 @@ def test_ram_tier_below_one_block_is_a_startup_error(packs):
             run(src, p, n_decode=1)
     finally:
         p.close()
+
+
+# ---- concurrent miss reads (read_threads) -------------------------------------------------------------------
+
+@pytest.mark.parametrize("ram_blocks", [None, 5, 24], ids=["staging", "ram-grouped", "ram-evicting"])
+@pytest.mark.parametrize("kind", ["q4_k", "mixed"])
+def test_lossless_with_read_threads(packs, stock, kind, ram_blocks):
+    src, pack = packs("qwen3moe", **(MIXED if kind == "mixed" else {}))
+    kw = dict(read_threads=4, stage_slots=2)  # fewer staging buffers than threads: reads wait for a buffer
+    if ram_blocks is None:
+        p = Provider.open(pack, cache_vram_mib=cache_mib_for_slots(pack, 2 * K + 1), cache_vram_reserve_mib=0, **kw)
+    else:
+        p = _provider(pack, 2 * K + 1, ram_blocks, **kw)
+    try:
+        got = run(src, p, record_routing=True, n_ubatch=256)
+        c = p.counters()
+    finally:
+        p.close()
+    ref = stock(src)
+    assert got.error == 0 and got.tokens == ref.tokens
+    assert np.array_equal(got.logits, ref.logits), f"max |diff| {np.abs(got.logits - ref.logits).max()}"
+    keys = sum(len(np.unique(ids)) for step in got.routing for ids in step.values())
+    assert c["cache_hits"] + c["cache_misses"] == keys
+    assert c["cache_misses"] == c["ram_hits"] + c["ram_misses"] and c["io_errors"] == 0
+    read = {l.read_bytes for l in layers_from_manifest(load_manifest(pack))}
+    if len(read) == 1:
+        assert c["pack_read_bytes"] == c["ram_misses"] * read.pop()
+
+
+@pytest.mark.parametrize("ram_blocks", [None, 12], ids=["staging", "ram"])
+def test_eio_with_read_threads_fails_the_request_then_recovers(packs, ram_blocks):
+    src, pack = packs("qwen3moe")
+    prompt = [(i * 7919) % 1000 + 100 for i in range(8)]
+    ref = Session(src, n_gpu_layers=0)
+    want, rc = ref.generate(prompt, 24)
+    ref.close()
+    kw = dict(read_threads=4)
+    if ram_blocks is None:
+        p = Provider.open(pack, cache_vram_mib=cache_mib_for_slots(pack, 2 * K + 1), cache_vram_reserve_mib=0, **kw)
+    else:
+        p = _provider(pack, 2 * K + 1, ram_blocks, **kw)
+    s = Session(pack / TRUNK_FILE, p, n_gpu_layers=0)
+    try:
+        got, rc = s.generate(prompt, 6)
+        assert rc == 0 and got == want[:6]
+        p.inject_eio(2)
+        while rc == 0 and len(got) < 24:
+            got.append(int(np.argmax(s.logits())))
+            rc = s.decode([got[-1]])
+        assert rc != 0 and len(got) < 24
+        assert got == want[:len(got)]
+        c = p.counters()
+        assert c["io_errors"] == 1 and "Input/output error" in p.last_error
+        assert c["cache_misses"] == c["ram_hits"] + c["ram_misses"]
+        p.inject_eio(-1)
+        s.reset()
+        again, rc = s.generate(prompt, 24)
+        assert rc == 0 and again == want
+    finally:
+        s.close()
+        p.close()
+
+
+def test_bad_read_threads_names_the_key(packs):
+    _, pack = packs("qwen3moe")
+    for v in (0, 65, "4", 2.5):
+        with pytest.raises(ValueError, match="'read_threads' must be an integer in \\[1, 64\\]"):
+            normalize_config(pack, read_threads=v)

@@ -29,8 +29,8 @@ EXPERT_PACK_API const char * expert_pack_version(void);
 
 // ---- configuration and lifetime --------------------------------------------------------------------------
 // The configuration is a JSON object with the keys of docs/ARCHITECTURE.md ("pack_path", "manifest_path",
-// "cache_vram_mib", "cache_vram_reserve_mib", "stage_slots", "read_splits", "direct_io", "stats_path",
-// "stats_flush_interval", "verify_pack_sha256", "ram_cache_mib", "trace_path"). Unknown keys and bad values
+// "cache_vram_mib", "cache_vram_reserve_mib", "stage_slots", "read_splits", "read_threads", "direct_io",
+// "stats_path", "stats_flush_interval", "verify_pack_sha256", "ram_cache_mib", "trace_path"). Unknown keys and bad values
 // are errors naming the key.
 
 // 0 if `config_json` is a valid configuration; otherwise -1 and a one-line message in err.

@@ -8,6 +8,7 @@
 #include "io_engine.h"
 #include "manifest.h"
 #include "ram_tier.h"
+#include "read_pool.h"
 #include "staging.h"
 #include "stats.h"
 
@@ -88,6 +89,7 @@ struct expert_pack_provider {
     config cfg;
     manifest man;
     std::unique_ptr<io_engine> io;
+    std::unique_ptr<read_pool> reads;              // read_threads workers for a step's misses (inline with 1)
     uint64_t max_read = 0;
     std::vector<std::unique_ptr<staging>> stages;  // one set per device that holds arenas
     std::unique_ptr<ram_tier> ram;                 // the host-RAM tier (ram_cache_mib > 0), all layers
@@ -329,86 +331,135 @@ void expert_pack_provider::acquire(expert_pack_layer * L, int32_t round, int32_t
         return;
     }
 
-    // the device-cache misses, in plan order; `done` of them are loaded (a failure leaves the rest unloaded)
+    // the device-cache misses, in plan order
     std::vector<size_t> miss;
     for (size_t i = 0; i < L->plan.size(); ++i) {
         if (!L->plan[i].hit) miss.push_back(i);
     }
     const uint64_t hits = L->plan.size() - miss.size();
     uint64_t misses = 0, evictions = 0;
-    size_t done = 0;
-    auto loaded = [&](const hybrid_policy::access & a) {
+    std::vector<char> stored(miss.size(), 0);  // miss j's expert is in its device slot
+    auto loaded = [&](size_t j) {
+        const auto & a = L->plan[miss[j]];
         stats.h2d_bytes += lay.block_bytes;
         ++misses;
         evictions += a.evicted >= 0;
+        stored[j] = 1;
     };
-    try {
-        if (!ram) {
-            // pack -> staging buffer -> slot
-            for (; done < miss.size(); ++done) {
-                const auto & a = L->plan[miss[done]];
-                const auto t0 = clk::now();
-                uint8_t * buf = L->stage->acquire();
-                stats.copy_wait_ns += ns_since(t0);
-                read_block(lay, a.expert, buf);
-                L->stage->store(L->arena, a.slot, lay.block_bytes);  // asynchronous on a GPU
-                stats.ram_misses++;
-                loaded(a);
+    // Reads go to the read pool (read_threads; inline with 1) and are collected in the order they land; each
+    // landed block's copy into its slot starts at once. After the first failure nothing more is submitted or
+    // copied, and the reads still in flight are drained (they write into our buffers) before we return.
+    std::exception_ptr failure;
+    size_t outstanding = 0;
+    auto collect = [&](const auto & on_read) {
+        auto [j, err] = reads->next();
+        --outstanding;
+        if (err && !failure) failure = err;
+        if (!failure) on_read(j);
+    };
+    auto submit_read = [&](size_t j, uint8_t * dst) {
+        const int32_t e = L->plan[miss[j]].expert;
+        ++outstanding;
+        reads->submit(j, [this, &lay, e, dst] { read_block(lay, e, dst); });
+    };
+    if (!ram) {
+        // pack -> staging buffer -> slot. A staging buffer comes back after n_buffers() acquires, so miss j is
+        // submitted only once miss j - n_buffers() is in its slot (acquire then waits for that copy).
+        const size_t nb = L->stage->n_buffers();
+        std::vector<size_t> buf_of(miss.size());
+        auto on_read = [&](size_t j) {
+            L->stage->store(L->arena, L->plan[miss[j]].slot, lay.block_bytes, buf_of[j]);  // asynchronous on a GPU
+            stats.ram_misses++;
+            loaded(j);
+        };
+        size_t next = 0;
+        while ((!failure && next < miss.size()) || outstanding) {
+            try {
+                if (!failure && next < miss.size() && (next < nb || stored[next - nb]) && !reads->ready()) {
+                    const auto t0 = clk::now();
+                    uint8_t * buf = L->stage->acquire(&buf_of[next]);
+                    stats.copy_wait_ns += ns_since(t0);
+                    submit_read(next++, buf);
+                } else {
+                    collect(on_read);
+                }
+            } catch (...) {
+                if (!failure) failure = std::current_exception();
             }
-        } else {
-            // RAM block -> slot; a RAM miss is first read from the pack into its block. The misses go through the
-            // tier in groups of at most its block count (one policy step each, which pins the group's blocks);
-            // between groups every copy completes, so the next group may evict the previous one's blocks.
-            const size_t per_group = (size_t) ram->n_blocks();
-            std::vector<int32_t> keys;
-            for (size_t g = 0; g < miss.size(); g += per_group) {
-                const size_t n = std::min(per_group, miss.size() - g);
-                if (g > 0) {
-                    L->stage->finish();
+        }
+    } else {
+        // RAM block -> slot; a RAM miss is first read from the pack into its block (each read has its own block).
+        // The misses go through the tier in groups of at most its block count (one policy step each, which pins
+        // the group's blocks); between groups every copy completes, so the next group may evict the previous
+        // one's blocks.
+        const size_t per_group = (size_t) ram->n_blocks();
+        std::vector<int32_t> keys;
+        for (size_t g = 0; g < miss.size() && !failure; g += per_group) {
+            const size_t n = std::min(per_group, miss.size() - g);
+            if (g > 0) {
+                L->stage->finish();
+            }
+            keys.clear();
+            for (size_t j = g; j < g + n; ++j) {
+                keys.push_back(L->moe_index * man.n_experts + L->plan[miss[j]].expert);
+            }
+            ram->policy().step(keys, ram_plan);  // cannot fail: n <= blocks, and the keys are distinct
+            auto copy_out = [&](size_t j) {
+                const auto & a = L->plan[miss[j]];
+                const auto & r = ram_plan[j - g];
+                ram->copying(r.slot, L->stage, L->stage->store_from(L->arena, a.slot, ram->block(r.slot), lay.block_bytes));
+                if (r.hit) {
+                    stats.ram_hits++;
+                } else {
+                    stats.ram_misses++;
+                    stats.ram_evictions += r.evicted >= 0;
                 }
-                keys.clear();
-                for (size_t j = g; j < g + n; ++j) {
-                    keys.push_back(L->moe_index * man.n_experts + L->plan[miss[j]].expert);
-                }
-                ram->policy().step(keys, ram_plan);  // cannot fail: n <= blocks, and the keys are distinct
-                for (size_t j = 0; j < n; ++j, ++done) {
-                    const auto & a = L->plan[miss[g + j]];
-                    const auto & r = ram_plan[j];
-                    uint8_t * blk = ram->block(r.slot);
-                    if (!r.hit) {
-                        try {
+                loaded(j);
+            };
+            size_t next = g;
+            while ((!failure && next < g + n) || outstanding) {
+                try {
+                    if (!failure && next < g + n && !reads->ready()) {
+                        const auto & r = ram_plan[next - g];
+                        if (r.hit) {
+                            copy_out(next++);
+                        } else {
                             ram->wait_copy(r.slot);  // never overwrite a block whose copy may be in flight
-                            read_block(lay, a.expert, blk);
-                        } catch (...) {
-                            // blocks of this group that were assigned but not filled hold no expert
-                            for (size_t q = j; q < n; ++q) {
-                                if (!ram_plan[q].hit) ram->policy().invalidate(ram_plan[q].slot);
-                            }
-                            throw;
+                            submit_read(next++, ram->block(r.slot));
                         }
-                    }
-                    ram->copying(r.slot, L->stage, L->stage->store_from(L->arena, a.slot, blk, lay.block_bytes));
-                    if (r.hit) {
-                        stats.ram_hits++;
                     } else {
-                        stats.ram_misses++;
-                        stats.ram_evictions += r.evicted >= 0;
+                        collect(copy_out);
                     }
-                    loaded(a);
+                } catch (...) {
+                    if (!failure) failure = std::current_exception();
+                }
+            }
+            if (failure) {
+                // a block of this group that was to receive a read but did not reach its slot is not trusted
+                for (size_t j = g; j < g + n; ++j) {
+                    if (!ram_plan[j - g].hit && !stored[j]) ram->policy().invalidate(ram_plan[j - g].slot);
                 }
             }
         }
-    } catch (const std::exception & e) {
-        // nothing computed from missing data: this and every later miss of the step hold no expert
-        for (size_t j = done; j < miss.size(); ++j) {
-            L->policy->invalidate(L->plan[miss[j]].slot);
+    }
+    if (failure) {
+        // nothing computed from missing data: every miss not in its slot holds no expert
+        for (size_t j = 0; j < miss.size(); ++j) {
+            if (!stored[j]) L->policy->invalidate(L->plan[miss[j]].slot);
         }
         L->stage->finish();  // staging buffers and RAM blocks are reused only after their copies
         stats.io_errors++;
         stats.cache_hits += hits;
         stats.cache_misses += misses;
         stats.cache_evictions += evictions;
-        fail_step(e.what());
+        std::string msg = "unknown error while loading experts";
+        try {
+            std::rethrow_exception(failure);
+        } catch (const std::exception & e) {
+            msg = e.what();
+        } catch (...) {
+        }
+        fail_step(msg);
         fill_zero();
         return;
     }
@@ -452,6 +503,7 @@ extern "C" expert_pack_provider * expert_pack_open(const char * config_json, cha
         p->cfg = parse_config(config_json ? config_json : "");
         p->man = load_manifest(p->cfg.manifest_path);
         p->io = std::make_unique<io_engine>(p->cfg.pack_path, p->cfg.direct_io, p->cfg.read_splits);
+        p->reads = std::make_unique<read_pool>(p->cfg.read_threads);
         {
             aligned_buffer header(PACK_HEADER_SIZE);
             p->io->read(header.ptr, 0, PACK_HEADER_SIZE);

@@ -84,24 +84,31 @@ staging::~staging() {
     }
 }
 
-uint8_t * staging::acquire() {
+uint8_t * staging::acquire(size_t * index) {
     cur_ = next_++ % bufs_.size();
     if (in_flight_[cur_]) {  // its last copy must be done before the buffer is overwritten
         ggml_backend_event_synchronize(events_[cur_]);
         in_flight_[cur_] = false;
     }
+    if (index) {
+        *index = cur_;
+    }
     return bufs_[cur_];
 }
 
 void staging::store(layer_arena & arena, int32_t slot, size_t n) {
+    store(arena, slot, n, cur_);
+}
+
+void staging::store(layer_arena & arena, int32_t slot, size_t n, size_t index) {
     const uint64_t off = (uint64_t) slot * arena.slot_stride;
     if (copy_backend_ && !arena.host_base) {
-        ggml_backend_tensor_set_async(copy_backend_, arena.bytes, bufs_[cur_], off, n);
-        ggml_backend_event_record(events_[cur_], copy_backend_);
-        in_flight_[cur_] = true;
+        ggml_backend_tensor_set_async(copy_backend_, arena.bytes, bufs_[index], off, n);
+        ggml_backend_event_record(events_[index], copy_backend_);
+        in_flight_[index] = true;
         pending_ = true;
     } else {
-        arena_store(arena, slot, bufs_[cur_], n);
+        arena_store(arena, slot, bufs_[index], n);
     }
 }
 

@@ -47,10 +47,14 @@ public:
     staging(const staging &) = delete;
     staging & operator=(const staging &) = delete;
 
-    // A free buffer for the next read (waits for its previous copy if still in flight).
-    uint8_t * acquire();
-    // Copy `n` bytes of the buffer last returned by acquire() into a slot; asynchronous on a GPU.
+    // A free buffer for the next read (waits for its previous copy if still in flight). Buffers are handed out
+    // round robin: a buffer comes back after n_buffers() more acquires. `index` (optional) names it for store().
+    uint8_t * acquire(size_t * index = nullptr);
+    // Copy `n` bytes of the buffer last returned by acquire() (or of buffer `index`) into a slot; asynchronous
+    // on a GPU.
     void store(layer_arena & arena, int32_t slot, size_t n);
+    void store(layer_arena & arena, int32_t slot, size_t n, size_t index);
+    size_t n_buffers() const { return bufs_.size(); }
     // Copy `n` bytes from `src` into a slot without going through a staging buffer (the RAM tier's blocks).
     // On a GPU the copy is asynchronous, so `src` must be pinned memory that nobody overwrites until the copy
     // is complete: the returned ticket's wait(), or finish(), says when (0: already complete).
