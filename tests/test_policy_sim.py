@@ -135,3 +135,10 @@ def test_bad_trace_files(tmp_path):
     bad.write_bytes(head + np.array([1], "<u8").tobytes() + np.array([0, 2], "<u4").tobytes() + bytes(12))
     with pytest.raises(ValueError, match="truncated record"):
         StepTrace.load(bad)
+
+
+def test_trace_path_that_cannot_be_created_is_a_startup_error(packs, tmp_path):
+    from ggml_expert_pack.pybind.provider import Provider
+    _, pack = packs("qwen3moe")
+    with pytest.raises(RuntimeError, match="'trace_path': cannot create .*no-such-dir"):
+        Provider.open(pack, trace_path=str(tmp_path / "no-such-dir" / "t.trace"))

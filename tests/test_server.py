@@ -167,6 +167,19 @@ def test_tokenize_detokenize_health_props(server):
     assert props["default_generation_settings"]["n_ctx"] == N_CTX and props["expert_pack"] is True
 
 
+def test_serve_cache_flags_reach_the_pack_config(tmp_path):
+    from ggml_expert_pack.cli import build_parser
+    from ggml_expert_pack.server.main import pack_config
+    ap = build_parser()
+    args = ap.parse_args(["serve", "-m", "m.gguf", "--expert-pack", str(tmp_path), "--ram-cache-mib", "512",
+                          "--read-threads", "3", "--cache-mib", "64"])
+    assert pack_config(args) == {"pack_dir": str(tmp_path), "ram_cache_mib": 512.0, "read_threads": 3,
+                                 "cache_vram_mib": 64.0}
+    for flag in ("--ram-cache-mib", "--read-threads"):
+        with pytest.raises(ValueError, match=f"{flag} needs --expert-pack"):
+            pack_config(ap.parse_args(["serve", "-m", "m.gguf", flag, "2"]))
+
+
 def test_metrics_parse(server):
     from prometheus_client.parser import text_string_to_metric_families
     post(server, "/completion", {"prompt": "metrics", "n_predict": 4, "ignore_eos": True})
