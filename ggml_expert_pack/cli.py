@@ -257,9 +257,13 @@ def add_bench_client(sub) -> None:
 
 def add_policy_sim(sub) -> None:
     p = sub.add_parser("policy-sim", help="replay routing traces through LRU, LFU, our hybrid and Belady's optimum",
-                       description="Replay routing traces (saved by `routing-stats --save-trace`) through the cache "
-                       "policies, one cache per MoE layer, at cache sizes given as fractions of a layer's experts.")
-    p.add_argument("traces", nargs="+", help=".npz routing traces")
+                       description="Replay routing traces (saved by `routing-stats --save-trace`, or recorded by the "
+                       "runtime with the expert_pack key trace_path) through the cache policies, one cache per MoE "
+                       "layer, at cache sizes given as fractions of a layer's experts.")
+    p.add_argument("traces", nargs="*", help=".npz routing traces (routing-stats --save-trace)")
+    p.add_argument("--trace", action="append", default=[], metavar="FILE", dest="runtime_traces",
+                   help="a routing trace recorded by the runtime (trace_path; docs/FORMAT.md), replayed step by "
+                        "step; may be given several times")
     p.add_argument("--fractions", default="0.1,0.14,0.25,0.5",
                    help="cache sizes as fractions of a layer's experts (default 0.1,0.14,0.25,0.5)")
     p.add_argument("--plot", help="write a PNG plot here (needs matplotlib)")
@@ -267,14 +271,17 @@ def add_policy_sim(sub) -> None:
 
     def run(args):
         from . import policy_sim
-        from .routing.trace import RoutingTrace
+        from .routing.trace import RoutingTrace, StepTrace
+        if not args.traces and not args.runtime_traces:
+            raise ValueError("no trace: give .npz traces and/or --trace FILE")
         try:
             fractions = tuple(float(x) for x in args.fractions.split(","))
         except ValueError:
             raise ValueError(f"--fractions: not a comma-separated list of numbers: {args.fractions!r}") from None
         if not all(0 < f <= 1 for f in fractions):
             raise ValueError("--fractions must lie in (0, 1]")
-        results = {Path(t).stem: policy_sim.sweep(RoutingTrace.load(t), fractions) for t in args.traces}
+        traces = [(t, RoutingTrace.load(t)) for t in args.traces] + [(t, StepTrace.load(t)) for t in args.runtime_traces]
+        results = {Path(t).stem: policy_sim.sweep(tr, fractions) for t, tr in traces}
         if args.json:
             print(json.dumps(results, indent=1))
         else:

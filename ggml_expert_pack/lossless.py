@@ -32,6 +32,14 @@ def cache_mib_for_slots(pack_dir, slots: int) -> float:
     return (need + ALIGNMENT) / 2**20  # a little above: floor() lands on `slots`
 
 
+def ram_mib_for_blocks(pack_dir, blocks: int) -> float:
+    """The ram_cache_mib that gives exactly `blocks` blocks in the host-RAM tier (blocks of the largest expert
+    stride, src/provider.cpp)."""
+    m = load_manifest(pack_dir)
+    stride = max(l["expert_stride"] for l in m["layers"])
+    return (blocks * stride + 1) / 2**20  # a hair above: floor() lands on `blocks`
+
+
 @dataclass
 class Run:
     logits: np.ndarray                 # (prompt_len + n_decode, n_vocab)

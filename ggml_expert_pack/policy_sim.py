@@ -1,9 +1,15 @@
 """Replay a routing trace through cache policies at several cache sizes: LRU, LFU, our hybrid (the provider's own
 policy code, through the C API) and Belady's optimum (evict the expert used again farthest in the future).
 
-The cache is the runtime's: one arena per MoE layer with the same number of slots, one step per token (the
-decode regime), the experts of the current step pinned (never evicted to make room for each other). A step's
-experts are distinct, so hits/(hits+misses) is the unique-key hit rate the runtime reports.
+The cache is the runtime's: one arena per MoE layer with the same number of slots, the experts of the current
+step pinned (never evicted to make room for each other). A step's experts are distinct, so hits/(hits+misses) is
+the unique-key hit rate the runtime reports. Two kinds of traces:
+- a RoutingTrace (`routing-stats --save-trace`, teacher-forced through stock llama.cpp): one step per token
+  (the decode regime);
+- a StepTrace (recorded by the runtime, config key `trace_path`): the runtime's own steps, each step the
+  distinct experts of all its tokens. A step that needs more experts than the cache holds is replayed as
+  consecutive groups of at most `slots` in first-use order (the runtime's rounds put the experts already cached
+  first, so only such steps may count differently from the runtime; one-token steps replay it exactly).
 """
 from __future__ import annotations
 
@@ -12,14 +18,27 @@ from collections import OrderedDict
 
 import numpy as np
 
-from .routing.trace import RoutingTrace
+from .routing.trace import RoutingTrace, StepTrace
 
 POLICIES = ("lru", "lfu", "hybrid", "belady")
 
 
-def layer_steps(trace: RoutingTrace, li: int) -> list[list[int]]:
-    """Layer li's steps in execution order: token by token across the prompts, distinct experts per step."""
+def layer_steps(trace: RoutingTrace | StepTrace, li: int, slots: int | None = None) -> list[list[int]]:
+    """The li-th MoE layer's steps in execution order, distinct experts per step: token by token across the
+    prompts of a RoutingTrace; the recorded steps of a StepTrace, split into groups of at most `slots`."""
+    if isinstance(trace, StepTrace):
+        out = []
+        for ids in trace.layer_records(trace.layers[li]):
+            step = list(dict.fromkeys(int(x) for x in ids.reshape(-1)))
+            n = slots or len(step) or 1
+            out += [step[i:i + n] for i in range(0, len(step), n)]
+        return out
     return [list(dict.fromkeys(int(x) for x in row)) for e in trace.experts for row in e[:, li, :]]
+
+
+def top_k(trace: RoutingTrace | StepTrace) -> int:
+    return trace.k if isinstance(trace, StepTrace) else trace.experts[0].shape[2]
+
 
 
 def _lru(steps, slots):
@@ -93,11 +112,12 @@ def _belady(steps, slots):
     return hits
 
 
-def hit_rate(trace: RoutingTrace, policy: str, slots: int) -> float:
-    """Hit rate over all layers (each layer its own cache of `slots`)."""
+def hits(trace: RoutingTrace | StepTrace, policy: str, slots: int) -> tuple[int, int]:
+    """(hits, accesses) over all layers, each layer its own cache of `slots`; accesses are distinct
+    (layer, expert) keys per step, as the runtime's cache_hits + cache_misses."""
     hits = total = 0
     for li in range(len(trace.layers)):
-        steps = layer_steps(trace, li)
+        steps = layer_steps(trace, li, slots)
         total += sum(len(s) for s in steps)
         if policy == "lru":
             hits += _lru(steps, slots)
@@ -109,13 +129,19 @@ def hit_rate(trace: RoutingTrace, policy: str, slots: int) -> float:
             hits += _belady(steps, slots)
         else:
             raise ValueError(f"unknown policy {policy!r}; one of {', '.join(POLICIES)}")
-    return hits / max(total, 1)
+    return hits, total
 
 
-def sweep(trace: RoutingTrace, fractions=(0.1, 0.14, 0.25, 0.5)) -> list[dict]:
+def hit_rate(trace: RoutingTrace | StepTrace, policy: str, slots: int) -> float:
+    """Hit rate over all layers (each layer its own cache of `slots`)."""
+    h, total = hits(trace, policy, slots)
+    return h / max(total, 1)
+
+
+def sweep(trace: RoutingTrace | StepTrace, fractions=(0.1, 0.14, 0.25, 0.5)) -> list[dict]:
     """Rows {fraction, slots, lru, lfu, hybrid, belady, hybrid_over_belady} for cache sizes given as fractions of
     a layer's experts (at least top-k slots, the runtime's minimum)."""
-    k = trace.experts[0].shape[2]
+    k = top_k(trace)
     rows = []
     for f in fractions:
         slots = max(k, int(round(f * trace.n_expert)))

@@ -359,7 +359,10 @@ def metrics_text(engine: Engine, pack: dict | None) -> str:
                  "pack_read_bytes": "Bytes read from the pack.",
                  "h2d_bytes": "Bytes copied host to device.",
                  "fallback_count": "Experts not served from the cache path.",
-                 "io_errors": "Failed pack reads.", "steps": "Graph steps that used the pack."}
+                 "io_errors": "Failed pack reads.", "steps": "Graph steps that used the pack.",
+                 "ram_hits": "Cache misses served from the host-RAM tier (no pack read).",
+                 "ram_misses": "Cache misses read from the pack (every miss when the RAM tier is off).",
+                 "ram_evictions": "Expert blocks evicted from the host-RAM tier."}
         for k, h in help_.items():
             if k in pack:
                 rows.append((f"expert_pack_{k}_total", "counter", h, pack[k]))
@@ -368,6 +371,10 @@ def metrics_text(engine: Engine, pack: dict | None) -> str:
                      ("copy_wait_ms", "Time waiting for staging buffers and copies.")):
             if k in pack:
                 rows.append((f"expert_pack_{k[:-3]}_seconds_total", "counter", h, float(pack[k]) / 1e3))
+        for k, h in (("ram_blocks", "Expert blocks the host-RAM tier holds (0: off)."),
+                     ("ram_bytes", "Bytes of the host-RAM tier (pinned on a GPU).")):
+            if k in pack:
+                rows.append((f"expert_pack_{k}", "gauge", h, pack[k]))
         hits, misses = pack.get("cache_hits", 0), pack.get("cache_misses", 0)
         rows.append(("expert_pack_hit_ratio", "gauge", "cache_hits / (cache_hits + cache_misses).",
                      hits / (hits + misses) if hits + misses else 0.0))

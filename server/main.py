@@ -21,10 +21,15 @@ def add_serve(sub) -> None:
                    help="expert cache budget in MiB (default: all free memory less the reserve)")
     g.add_argument("--cache-reserve-mib", "--expert-cache-reserve-mib", dest="cache_reserve_mib", type=float,
                    metavar="MIB", help="memory left free for the rest of the model and compute buffers (default 1024)")
+    g.add_argument("--ram-cache-mib", "--expert-ram-cache-mib", dest="ram_cache_mib", type=float, metavar="MIB",
+                   help="host-RAM tier of whole experts between the pack and the cache, in MiB (pinned on a GPU: "
+                        "leave the OS, the model and the page cache room; default 0 = off)")
     g.add_argument("--stage-slots", "--expert-stage-slots", dest="stage_slots", type=int, metavar="N",
                    help="pinned staging buffers for pack reads")
     g.add_argument("--read-splits", "--expert-read-splits", dest="read_splits", type=int, metavar="N",
                    help="parallel reads per expert")
+    g.add_argument("--read-threads", "--expert-read-threads", dest="read_threads", type=int, metavar="N",
+                   help="threads reading a step's missed experts concurrently (default 1)")
     g.add_argument("--direct-io", "--expert-direct-io", dest="direct_io", choices=("on", "off"),
                    help="O_DIRECT pack reads (default on; off = buffered reads, for comparison only)")
     g.add_argument("--stats-file", "--expert-stats-file", dest="stats_file", metavar="PATH",
@@ -46,13 +51,16 @@ def add_serve(sub) -> None:
 
 def pack_config(args) -> dict | None:
     if not args.expert_pack:
-        for flag in ("cache_mib", "cache_reserve_mib", "stage_slots", "read_splits", "direct_io", "stats_file"):
+        for flag in ("cache_mib", "cache_reserve_mib", "ram_cache_mib", "stage_slots", "read_splits", "read_threads",
+                     "direct_io", "stats_file"):
             if getattr(args, flag) is not None:
                 raise ValueError(f"--{flag.replace('_', '-')} needs --expert-pack")
         return None
     cfg: dict = {"pack_dir": args.expert_pack}
     for flag, key in (("cache_mib", "cache_vram_mib"), ("cache_reserve_mib", "cache_vram_reserve_mib"),
-                      ("stage_slots", "stage_slots"), ("read_splits", "read_splits"), ("stats_file", "stats_path")):
+                      ("ram_cache_mib", "ram_cache_mib"),
+                      ("stage_slots", "stage_slots"), ("read_splits", "read_splits"),
+                      ("read_threads", "read_threads"), ("stats_file", "stats_path")):
         v = getattr(args, flag)
         if v is not None:
             cfg[key] = v

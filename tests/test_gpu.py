@@ -43,3 +43,42 @@ def test_gpu_lossless(packs, arch, slots):
     assert with_pack.tokens == stock.tokens
     assert diff <= bound
     assert stats["io_errors"] == 0 and stats["cache_misses"] > 0
+
+
+@pytest.mark.parametrize("read_threads", [1, 4])
+def test_gpu_ram_tier_lossless(packs, read_threads):
+    """The host-RAM tier on a GPU: pinned blocks, asynchronous copies from them into the VRAM slots (store_from),
+    an evicting device cache and an evicting tier; same criterion as above."""
+    from ggml_expert_pack.lossless import ram_mib_for_blocks
+    src, pack = packs("qwen3moe")
+    p = Provider.open(pack, cache_vram_reserve_mib=0, cache_vram_mib=cache_mib_for_slots(pack, 4),
+                      ram_cache_mib=ram_mib_for_blocks(pack, 24), read_threads=read_threads)
+    try:
+        with_pack = run(pack / "trunk.gguf", p, n_gpu_layers=-1, prompt_len=64)
+        stats = p.stats()
+    finally:
+        p.close()
+    assert with_pack.error == 0
+    ub = with_pack.n_ubatch
+    stock = run(src, None, n_gpu_layers=-1, n_ubatch=ub, prompt_len=64)
+    stock_other = run(src, None, n_gpu_layers=-1, n_ubatch=max(1, ub // 2) if ub > 1 else 2, prompt_len=64)
+    bound = float(np.abs(stock.logits - stock_other.logits).max())
+    diff = float(np.abs(stock.logits - with_pack.logits).max())
+    print(f"\nram tier, read_threads={read_threads}: max|pack-stock|={diff:.3g}, stock's own bound={bound:.3g}, "
+          f"stats={ {k: stats[k] for k in ('cache_misses', 'ram_hits', 'ram_misses', 'ram_evictions', 'ram_pinned')} }")
+    assert with_pack.tokens == stock.tokens
+    assert diff <= bound
+    assert stats["io_errors"] == 0 and stats["cache_misses"] == stats["ram_hits"] + stats["ram_misses"]
+    assert stats["ram_hits"] > 0 and stats["ram_evictions"] > 0
+    # while attached, the tier is page-locked memory (host buffer type of the device, checked at allocation)
+    from ggml_expert_pack.lossless import Session
+    p = Provider.open(pack, cache_vram_reserve_mib=0, cache_vram_mib=cache_mib_for_slots(pack, 4),
+                      ram_cache_mib=ram_mib_for_blocks(pack, 24), read_threads=read_threads)
+    s = Session(pack / "trunk.gguf", p, n_ctx=256, n_gpu_layers=-1)
+    try:
+        s.generate(list(range(100, 108)), 4)
+        attached = p.stats()
+    finally:
+        s.close()
+        p.close()
+    assert attached["ram_pinned"] is True and attached["ram_blocks"] == 24

@@ -67,3 +67,78 @@ def test_cli(tmp_path, capsys):
     assert main(["policy-sim", str(path), "--fractions", "0.25,0.5"]) == 0
     assert "| 25% | 4 |" in capsys.readouterr().out
     assert main(["policy-sim", str(path), "--fractions", "2"]) == 2
+
+
+# ---- traces recorded by the runtime (trace_path) ------------------------------------------------------------
+
+def test_runtime_trace_replays_the_runtime(packs, tmp_path, capsys):
+    """Decode-only (one token per step): the hybrid replayed from the recorded trace is the runtime's cache."""
+    from ggml_expert_pack.cli import main
+    from ggml_expert_pack.lossless import cache_mib_for_slots, run
+    from ggml_expert_pack.pybind.provider import Provider
+    from ggml_expert_pack.routing.trace import StepTrace
+    src, pack = packs("qwen3moe")
+    path = tmp_path / "routing.trace"
+    slots = 9
+    p = Provider.open(pack, cache_vram_mib=cache_mib_for_slots(pack, slots), cache_vram_reserve_mib=0,
+                      trace_path=str(path))
+    try:
+        got = run(src, p, prompt_len=1, n_decode=20, record_routing=True)
+        c = p.counters()
+    finally:
+        p.close()  # flushes the trace
+    assert got.error == 0
+    t = StepTrace.load(path)
+    assert (t.n_layers, t.n_expert, t.k) == (4, 16, 4)
+    assert len(t.records) == c["steps"] * t.n_layers == 21 * 4
+    # the ids are the router's own (the graph callback saw the same top-k)
+    for (step, layer, ids), want in zip(t.records, (ids for s in got.routing for _, ids in sorted(s.items()))):
+        assert np.array_equal(ids, want)
+    assert [s for s, _, _ in t.records] == [s for s in range(1, 22) for _ in range(4)]
+    h, total = policy_sim.hits(t, "hybrid", slots)
+    assert (h, total) == (c["cache_hits"], c["cache_hits"] + c["cache_misses"])
+    assert all(policy_sim.hits(t, "belady", slots)[0] >= policy_sim.hits(t, q, slots)[0] for q in policy_sim.POLICIES)
+    assert main(["policy-sim", "--trace", str(path), "--fractions", "0.5"]) == 0
+    assert "| 50% | 8 |" in capsys.readouterr().out
+    assert main(["policy-sim"]) == 2  # no trace at all
+
+
+def test_runtime_trace_prompt_steps(packs, tmp_path):
+    """A prompt step records every token; a step larger than the cache replays in groups of at most `slots`."""
+    from ggml_expert_pack.lossless import cache_mib_for_slots, run
+    from ggml_expert_pack.pybind.provider import Provider
+    from ggml_expert_pack.routing.trace import StepTrace
+    src, pack = packs("qwen3moe")
+    path = tmp_path / "prompt.trace"
+    p = Provider.open(pack, cache_vram_mib=cache_mib_for_slots(pack, 4), cache_vram_reserve_mib=0,
+                      trace_path=str(path))
+    try:
+        assert run(src, p, prompt_len=12, n_decode=2).error == 0
+        steps = p.counters()["steps"]
+    finally:
+        p.close()
+    t = StepTrace.load(path)
+    assert len(t.records) == steps * 4 == 3 * 4
+    assert [ids.shape for _, _, ids in t.records[:4]] == [(12, 4)] * 4
+    assert all(len(s) <= 4 for li in range(4) for s in policy_sim.layer_steps(t, li, 4))
+    h, total = policy_sim.hits(t, "hybrid", 4)
+    assert total == sum(len(np.unique(ids)) for _, _, ids in t.records)
+
+
+def test_bad_trace_files(tmp_path):
+    from ggml_expert_pack.routing.trace import StepTrace
+    bad = tmp_path / "bad.trace"
+    bad.write_bytes(b"NOTATRACE" + bytes(20))
+    with pytest.raises(ValueError, match="not a routing trace"):
+        StepTrace.load(bad)
+    head = b"EPTRACE1" + np.array([1, 4, 16, 4], "<u4").tobytes()
+    bad.write_bytes(head + np.array([1], "<u8").tobytes() + np.array([0, 2], "<u4").tobytes() + bytes(12))
+    with pytest.raises(ValueError, match="truncated record"):
+        StepTrace.load(bad)
+
+
+def test_trace_path_that_cannot_be_created_is_a_startup_error(packs, tmp_path):
+    from ggml_expert_pack.pybind.provider import Provider
+    _, pack = packs("qwen3moe")
+    with pytest.raises(RuntimeError, match="'trace_path': cannot create .*no-such-dir"):
+        Provider.open(pack, trace_path=str(tmp_path / "no-such-dir" / "t.trace"))

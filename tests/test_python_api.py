@@ -72,6 +72,22 @@ def test_stats(packed):
     assert s["cache_misses"] > 0 and s["pack_read_bytes"] > 0 and s["io_errors"] == 0
 
 
+def test_ram_tier_and_read_threads_through_the_api(pair, stock):
+    from ggml_expert_pack.lossless import ram_mib_for_blocks
+    llm = _llm(pair[1] / "trunk.gguf", expert_pack={"pack_dir": str(pair[1]), "cache_vram_reserve_mib": 0,
+                                                     "cache_vram_mib": cache_mib_for_slots(pair[1], 2 * K + 1),
+                                                     "ram_cache_mib": ram_mib_for_blocks(pair[1], 24),
+                                                     "read_threads": 3})
+    try:
+        got = llm("The capital of France is", max_tokens=24, temperature=0)
+        s = llm.expert_pack_stats()
+    finally:
+        llm.close()
+    assert got["choices"][0]["text"] == stock("The capital of France is", max_tokens=24, temperature=0)["choices"][0]["text"]
+    assert s["ram_blocks"] == 24 and s["config"]["read_threads"] == 3
+    assert s["cache_misses"] == s["ram_hits"] + s["ram_misses"] > 0 and s["io_errors"] == 0
+
+
 def test_stats_without_pack_is_an_error(stock):
     with pytest.raises(ValueError, match="without an expert pack"):
         stock.expert_pack_stats()
@@ -81,6 +97,9 @@ def test_stats_without_pack_is_an_error(stock):
     ({"pack_dir": None, "cache_vram_mb": 1}, "cache_vram_mb"),
     ({"read_splits": "two"}, "read_splits"),
     ({"direct_io": 1}, "direct_io"),
+    ({"ram_cache_mib": "1024"}, "ram_cache_mib"),
+    ({"read_threads": 0}, "read_threads"),
+    ({"trace_path": 3}, "trace_path"),
 ])
 def test_bad_keys_name_the_key(pair, cfg, match):
     cfg = {**cfg, "pack_dir": str(pair[1])}

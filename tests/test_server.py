@@ -37,7 +37,7 @@ def server(synth_model, tmp_path_factory):
     log = open(pack.parent / "server.log", "w+")
     cmd = [sys.executable, "-m", "ggml_expert_pack.cli", "serve", "-m", str(pack / "trunk.gguf"),
            "--expert-pack", str(pack), "-c", str(N_CTX), "--port", str(port), "--alias", "tiny-moe", "-t", "2",
-           "--stats-file", str(pack.parent / "stats.json")]
+           "--stats-file", str(pack.parent / "stats.json"), "--ram-cache-mib", "64"]
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
     base = f"http://127.0.0.1:{port}"
     deadline = time.time() + 120
@@ -167,6 +167,19 @@ def test_tokenize_detokenize_health_props(server):
     assert props["default_generation_settings"]["n_ctx"] == N_CTX and props["expert_pack"] is True
 
 
+def test_serve_cache_flags_reach_the_pack_config(tmp_path):
+    from ggml_expert_pack.cli import build_parser
+    from ggml_expert_pack.server.main import pack_config
+    ap = build_parser()
+    args = ap.parse_args(["serve", "-m", "m.gguf", "--expert-pack", str(tmp_path), "--ram-cache-mib", "512",
+                          "--read-threads", "3", "--cache-mib", "64"])
+    assert pack_config(args) == {"pack_dir": str(tmp_path), "ram_cache_mib": 512.0, "read_threads": 3,
+                                 "cache_vram_mib": 64.0}
+    for flag in ("--ram-cache-mib", "--read-threads"):
+        with pytest.raises(ValueError, match=f"{flag} needs --expert-pack"):
+            pack_config(ap.parse_args(["serve", "-m", "m.gguf", flag, "2"]))
+
+
 def test_metrics_parse(server):
     from prometheus_client.parser import text_string_to_metric_families
     post(server, "/completion", {"prompt": "metrics", "n_predict": 4, "ignore_eos": True})
@@ -177,6 +190,14 @@ def test_metrics_parse(server):
         assert f"expert_pack_{k}" in fams, k
         assert fams[f"expert_pack_{k}"].type == "counter"
     assert value["expert_pack_pack_read_bytes"] > 0
+    for k in ("ram_hits", "ram_misses", "ram_evictions"):
+        assert fams[f"expert_pack_{k}"].type == "counter", k
+    for k in ("ram_blocks", "ram_bytes"):
+        assert fams[f"expert_pack_{k}"].type == "gauge", k
+    # the default cache holds every expert here (preloaded, never a miss), so the RAM tier is not even allocated
+    # and every cache miss (the preload) was a pack read
+    assert value["expert_pack_ram_misses"] == value["expert_pack_cache_misses"] > 0
+    assert value["expert_pack_ram_blocks"] == value["expert_pack_ram_hits"] == 0
     assert value["llamacpp:tokens_predicted"] >= 4
     assert value["llamacpp:predicted_tokens_seconds"] > 0  # tok/s
 

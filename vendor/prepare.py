@@ -243,7 +243,7 @@ def ensure_tree(tree: Path | None = None, offline: bool = False) -> Path:
 PRUNE_EXCLUDE_DIRS = {
     ".git", "docs", "docker", "examples", "scripts", "tests",  # sdist top level (tests are llama-cpp-python's)
     "vendor/llama.cpp/docs", "vendor/llama.cpp/media", "vendor/llama.cpp/benches", "vendor/llama.cpp/app",
-    "vendor/llama.cpp/tools/ui", "vendor/llama.cpp/tools/mtmd",
+    # tools/ui and tools/mtmd stay: the fork's tools (llama-server, llama-cli) configure them
     "vendor/llama.cpp/ggml/src/ggml-sycl", "vendor/llama.cpp/ggml/src/ggml-vulkan",
     "vendor/llama.cpp/ggml/src/ggml-opencl", "vendor/llama.cpp/ggml/src/ggml-hexagon",
     "vendor/llama.cpp/ggml/src/ggml-metal", "vendor/llama.cpp/ggml/src/ggml-cann",

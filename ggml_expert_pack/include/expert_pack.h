@@ -29,8 +29,9 @@ EXPERT_PACK_API const char * expert_pack_version(void);
 
 // ---- configuration and lifetime --------------------------------------------------------------------------
 // The configuration is a JSON object with the keys of docs/ARCHITECTURE.md ("pack_path", "manifest_path",
-// "cache_vram_mib", "cache_vram_reserve_mib", "stage_slots", "read_splits", "direct_io", "stats_path",
-// "stats_flush_interval", "verify_pack_sha256"). Unknown keys and bad values are errors naming the key.
+// "cache_vram_mib", "cache_vram_reserve_mib", "stage_slots", "read_splits", "read_threads", "direct_io",
+// "stats_path", "stats_flush_interval", "verify_pack_sha256", "ram_cache_mib", "trace_path"). Unknown keys and bad values
+// are errors naming the key.
 
 // 0 if `config_json` is a valid configuration; otherwise -1 and a one-line message in err.
 EXPERT_PACK_API int expert_pack_config_validate(const char * config_json, char * err, size_t err_len);
@@ -54,11 +55,20 @@ typedef struct expert_pack_stats {
     uint64_t fallback_count;   // diagnosable detours: short reads retried, steps split into chunks
     uint64_t io_errors;        // failed reads, checksum mismatches
     uint64_t steps;            // graph computes that used the provider
+    // the host-RAM tier (ram_cache_mib); every cache miss is a RAM hit or a RAM miss, so
+    // cache_misses == ram_hits + ram_misses, and pack_read_bytes counts the RAM misses' reads (with the tier
+    // off every cache miss is a RAM miss)
+    uint64_t ram_hits;         // cache misses served from the RAM tier (no pack read)
+    uint64_t ram_misses;       // cache misses read from the pack
+    uint64_t ram_evictions;    // RAM blocks replaced by a miss
+    uint64_t ram_blocks;       // the tier's size in blocks (0: off), and in bytes (not reset by reset_stats)
+    uint64_t ram_bytes;
 } expert_pack_stats;
 
 EXPERT_PACK_API void expert_pack_get_stats(const expert_pack_provider * p, expert_pack_stats * out);
 EXPERT_PACK_API void expert_pack_reset_stats(expert_pack_provider * p);
-// Drop every cached expert (the next steps load from the pack again).
+// Drop every expert cached on the devices (the next steps load them again: from the RAM tier where it holds
+// them, else from the pack). The RAM tier keeps its blocks.
 EXPERT_PACK_API void expert_pack_reset_cache(expert_pack_provider * p);
 // The stats file's content (JSON): counters, cache geometry, configuration. Returns the length written
 // (without the terminating 0), or the length needed if buf is too small.

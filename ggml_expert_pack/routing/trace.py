@@ -167,3 +167,49 @@ def capture(model_path: str | Path, prompts: list[str], router_inputs: bool = Fa
         lc.llama_free(ctx)
         lc.llama_model_free(model)
     return trace
+
+
+TRACE_MAGIC = b"EPTRACE1"
+
+
+@dataclass
+class StepTrace:
+    """A routing trace recorded by the runtime (config key `trace_path`, format in docs/FORMAT.md): per graph
+    compute ("step") and acquired MoE layer, the router's expert ids of every token of the step.
+    records: (step, layer, ids) in file order, ids of shape (n_tokens, k)."""
+    path: str
+    n_layers: int          # MoE layers of the pack
+    n_expert: int
+    k: int
+    records: list[tuple[int, int, np.ndarray]] = field(default_factory=list)
+
+    @property
+    def layers(self) -> list[int]:
+        """The model layers that have records, in ascending order."""
+        return sorted({layer for _, layer, _ in self.records})
+
+    def layer_records(self, layer: int) -> list[np.ndarray]:
+        return [ids for _, l, ids in self.records if l == layer]
+
+    @classmethod
+    def load(cls, path: str | Path) -> "StepTrace":
+        data = Path(path).read_bytes()
+        if len(data) < 24 or data[:8] != TRACE_MAGIC:
+            raise ValueError(f"{path}: not a routing trace recorded by the runtime (no {TRACE_MAGIC.decode()} header)")
+        version, n_layers, n_expert, k = np.frombuffer(data, "<u4", 4, 8)
+        if version != 1:
+            raise ValueError(f"{path}: routing trace version {version}, this reader knows 1")
+        t = cls(str(path), int(n_layers), int(n_expert), int(k))
+        off = 24
+        while off < len(data):
+            if off + 16 > len(data):
+                raise ValueError(f"{path}: truncated record header at byte {off}")
+            step = int(np.frombuffer(data, "<u8", 1, off)[0])
+            layer, n_tokens = (int(x) for x in np.frombuffer(data, "<u4", 2, off + 8))
+            n = n_tokens * t.k
+            if off + 16 + 4 * n > len(data):
+                raise ValueError(f"{path}: truncated record at byte {off}")
+            ids = np.frombuffer(data, "<i4", n, off + 16).reshape(n_tokens, t.k)
+            t.records.append((step, layer, ids))
+            off += 16 + 4 * n
+        return t

@@ -63,10 +63,13 @@ config parse_config(const std::string & json_text) {
         else if (key == "cache_vram_reserve_mib") c.cache_vram_reserve_mib = get_number(key, v, 0);
         else if (key == "stage_slots")            c.stage_slots = get_int(key, v, 1, 1024);
         else if (key == "read_splits")            c.read_splits = get_int(key, v, 1, 64);
+        else if (key == "read_threads")           c.read_threads = get_int(key, v, 1, 64);
         else if (key == "direct_io")              c.direct_io = get_bool(key, v);
         else if (key == "stats_path")             c.stats_path = get_string(key, v, false);
         else if (key == "stats_flush_interval")   c.stats_flush_interval = get_int(key, v, 1, 1 << 30);
         else if (key == "verify_pack_sha256")     c.verify_pack_sha256 = get_bool(key, v);
+        else if (key == "ram_cache_mib")          c.ram_cache_mib = get_number(key, v, 0);
+        else if (key == "trace_path")             c.trace_path = get_string(key, v, false);
         else {
             throw std::invalid_argument("unknown expert_pack key '" + key + "'");
         }
@@ -84,8 +87,9 @@ std::string config::to_json() const {
     return json{
         {"pack_path", pack_path}, {"manifest_path", manifest_path}, {"cache_vram_mib", cache_vram_mib},
         {"cache_vram_reserve_mib", cache_vram_reserve_mib}, {"stage_slots", stage_slots},
-        {"read_splits", read_splits}, {"direct_io", direct_io}, {"stats_path", stats_path},
+        {"read_splits", read_splits}, {"read_threads", read_threads}, {"direct_io", direct_io}, {"stats_path", stats_path},
         {"stats_flush_interval", stats_flush_interval}, {"verify_pack_sha256", verify_pack_sha256},
+        {"ram_cache_mib", ram_cache_mib}, {"trace_path", trace_path},
     }.dump();
 }
 

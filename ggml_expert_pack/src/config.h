@@ -14,10 +14,13 @@ struct config {
     double      cache_vram_reserve_mib = 1024;  // left free on each device
     int32_t     stage_slots           = 4;      // staging buffers (4096-aligned; pinned on a GPU)
     int32_t     read_splits           = 1;      // concurrent sub-reads per expert block
+    int32_t     read_threads          = 1;      // a step's misses read concurrently by this many threads
     bool        direct_io             = true;   // O_DIRECT reads; false = buffered (for comparison only)
     std::string stats_path;                     // stats JSON written every stats_flush_interval steps
     int32_t     stats_flush_interval  = 64;
     bool        verify_pack_sha256    = true;   // verify each block's checksum (XXH3-128) as it is read
+    double      ram_cache_mib         = 0;      // host-RAM tier of whole expert blocks (pinned on a GPU); 0 = off
+    std::string trace_path;                     // append the router's expert ids per step and layer; "" = off
 
     std::string to_json() const;
 };

@@ -7,6 +7,8 @@
 #include "config.h"
 #include "io_engine.h"
 #include "manifest.h"
+#include "ram_tier.h"
+#include "read_pool.h"
 #include "staging.h"
 #include "stats.h"
 
@@ -15,7 +17,10 @@
 #include "gguf.h"
 
 #include <algorithm>
+#include <cmath>
+#include <cerrno>
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
@@ -68,6 +73,7 @@ struct expert_pack_round {
 struct expert_pack_layer {
     expert_pack_provider * owner = nullptr;
     const layer_layout * layout = nullptr;
+    int32_t moe_index = 0;            // position in the manifest's layer table (the RAM tier's key space)
     std::vector<ggml_tensor *> meta;  // shape/type-only tensors, in the layout's role order (null until created)
     layer_arena arena;
     staging * stage = nullptr;        // the staging buffers of the layer's device
@@ -83,8 +89,14 @@ struct expert_pack_provider {
     config cfg;
     manifest man;
     std::unique_ptr<io_engine> io;
+    std::unique_ptr<read_pool> reads;              // read_threads workers for a step's misses (inline with 1)
     uint64_t max_read = 0;
     std::vector<std::unique_ptr<staging>> stages;  // one set per device that holds arenas
+    std::unique_ptr<ram_tier> ram;                 // the host-RAM tier (ram_cache_mib > 0), all layers
+    std::vector<hybrid_policy::access> ram_plan;   // scratch
+    FILE * trace = nullptr;                        // trace_path: the routing trace being recorded
+    bool trace_header = false;                     // its header is written at the first attach
+    uint64_t trace_step = 0;                       // steps seen, for the trace (reset_stats does not touch it)
     std::map<int32_t, std::unique_ptr<expert_pack_layer>> layers;  // by model layer index
     std::unordered_map<std::string, std::pair<expert_pack_layer *, size_t>> by_tensor;  // name -> (layer, role)
     ggml_context * meta_ctx = nullptr;
@@ -105,6 +117,7 @@ struct expert_pack_provider {
 
     ~expert_pack_provider() {
         detach();
+        if (trace) fclose(trace);  // flushes the trace
         {
             std::lock_guard<std::mutex> lk(g_registry_mu);
             for (auto & [_, l] : layers) {
@@ -125,6 +138,9 @@ struct expert_pack_provider {
             l->zero_slot = -1;
             l->rounds.clear();
         }
+        ram.reset();  // before the stages: its blocks may wait on their copies
+        stats.ram_blocks = 0;
+        stats.ram_bytes = 0;
         stages.clear();
         if (arena_ctx) {
             ggml_free(arena_ctx);
@@ -150,6 +166,8 @@ struct expert_pack_provider {
                         ",\"cache_bytes\":" + std::to_string(cache_bytes) +
                         ",\"direct_io\":" + (io && io->direct() ? "true" : "false") +
                         ",\"pinned_staging\":" + (!stages.empty() && stages.front()->pinned() ? "true" : "false") +
+                        ",\"ram_block_bytes\":" + std::to_string(ram ? ram->block_bytes() : 0) +
+                        ",\"ram_pinned\":" + (ram && ram->pinned() ? "true" : "false") +
                         ",\"config\":" + cfg.to_json();
         return s;
     }
@@ -158,6 +176,7 @@ struct expert_pack_provider {
         if (!cfg.stats_path.empty()) {
             write_file_atomic(cfg.stats_path, stats_json(stats.snapshot(), stats, geometry_json()));
         }
+        if (trace) fflush(trace);
     }
 
     void fail_step(const std::string & msg) {
@@ -169,37 +188,74 @@ struct expert_pack_provider {
 
     void acquire(expert_pack_layer * L, int32_t round, int32_t n_rounds, ggml_tensor * dst);
     void preload(expert_pack_layer * L);
+    void read_block(const layer_layout & lay, int32_t expert, uint8_t * dst);
+    void record_trace(const layer_layout & lay, const ggml_tensor * ids);
 };
-
-// Every expert of the layer fits: load them all now into slot == expert. The graph then reads the cache with
-// the router's own ids and the CPU round trip of the hook disappears (all-hit speed).
-void expert_pack_provider::preload(expert_pack_layer * L) {
-    const layer_layout & lay = *L->layout;
-    for (int32_t e = 0; e < man.n_experts; ++e) {
-        uint8_t * buf = L->stage->acquire();
-        io->read(buf, lay.expert_offset(e), lay.read_bytes);
-        stats.pack_read_bytes += lay.read_bytes;
-        if (cfg.verify_pack_sha256) {
-            uint8_t sum[16];
-            expert_pack_xxh3_128(buf, lay.block_bytes, sum);
-            if (memcmp(sum, lay.checksums[e].data(), 16) != 0) {
-                stats.io_errors++;
-                throw io_error("checksum mismatch in layer " + std::to_string(lay.layer) + " expert " + std::to_string(e) +
-                               " (pack offset " + std::to_string(lay.expert_offset(e)) + ")");
-            }
-        }
-        L->stage->store(L->arena, e, lay.block_bytes);
-        stats.h2d_bytes += lay.block_bytes;
-        stats.cache_misses++;
-    }
-    L->stage->finish();
-    L->resident = true;
-}
 
 using clk = std::chrono::steady_clock;
 
 static uint64_t ns_since(clk::time_point t0) {
     return (uint64_t) std::chrono::duration_cast<std::chrono::nanoseconds>(clk::now() - t0).count();
+}
+
+// One expert block from the pack into `dst` (4096-aligned: a staging buffer or a RAM-tier block), checked
+// against its checksum. Throws io_error (read failure, checksum mismatch).
+void expert_pack_provider::read_block(const layer_layout & lay, int32_t expert, uint8_t * dst) {
+    const auto t0 = clk::now();
+    io->read(dst, lay.expert_offset(expert), lay.read_bytes);
+    stats.read_ns += ns_since(t0);
+    stats.pack_read_bytes += lay.read_bytes;
+    if (cfg.verify_pack_sha256) {
+        uint8_t sum[16];
+        expert_pack_xxh3_128(dst, lay.block_bytes, sum);
+        if (memcmp(sum, lay.checksums[expert].data(), 16) != 0) {
+            throw io_error("checksum mismatch in layer " + std::to_string(lay.layer) + " expert " +
+                           std::to_string(expert) + " (pack offset " + std::to_string(lay.expert_offset(expert)) +
+                           "): expected " + to_hex(lay.checksums[expert].data(), 16) + ", read " + to_hex(sum, 16));
+        }
+    }
+}
+
+// Every expert of the layer fits: load them all now into slot == expert. The graph then reads the cache with
+// the router's own ids and the CPU round trip of the hook disappears (all-hit speed). The RAM tier is not
+// involved (the layer never misses again); the reads count as RAM misses so that
+// cache_misses == ram_hits + ram_misses holds everywhere.
+void expert_pack_provider::preload(expert_pack_layer * L) {
+    const layer_layout & lay = *L->layout;
+    for (int32_t e = 0; e < man.n_experts; ++e) {
+        uint8_t * buf = L->stage->acquire();
+        try {
+            read_block(lay, e, buf);
+        } catch (const io_error &) {
+            stats.io_errors++;
+            throw;
+        }
+        L->stage->store(L->arena, e, lay.block_bytes);
+        stats.h2d_bytes += lay.block_bytes;
+        stats.cache_misses++;
+        stats.ram_misses++;
+    }
+    L->stage->finish();
+    L->resident = true;
+}
+
+// The trace file (trace_path, docs/FORMAT.md "Routing traces"): one record per acquired layer and step.
+void expert_pack_provider::record_trace(const layer_layout & lay, const ggml_tensor * ids) {
+    const int64_t k = ids->ne[0];
+    const int64_t n_tokens = ids->ne[1];
+    const struct { uint64_t step; uint32_t layer; uint32_t n_tokens; } head = {trace_step, (uint32_t) lay.layer,
+                                                                              (uint32_t) n_tokens};
+    static_assert(sizeof(head) == 16, "record header is 16 bytes");
+    bool ok = fwrite(&head, sizeof(head), 1, trace) == 1;
+    for (int64_t t = 0; ok && t < n_tokens; ++t) {
+        ok = fwrite((const char *) ids->data + t * ids->nb[1], sizeof(int32_t), (size_t) k, trace) == (size_t) k;
+    }
+    if (!ok) {  // a diagnostic must not stop inference: stop recording, say so once
+        fprintf(stderr, "expert-pack: writing the routing trace %s failed (%s); recording stopped\n",
+                cfg.trace_path.c_str(), strerror(errno));
+        fclose(trace);
+        trace = nullptr;
+    }
 }
 
 void expert_pack_provider::acquire(expert_pack_layer * L, int32_t round, int32_t n_rounds, ggml_tensor * dst) {
@@ -217,6 +273,7 @@ void expert_pack_provider::acquire(expert_pack_layer * L, int32_t round, int32_t
     // a new graph compute starts where the layers wrap around (later rounds belong to their round 0's step)
     if (round == 0 && lay.layer <= last_layer) {
         step_failed = false;
+        ++trace_step;
         const uint64_t step = ++stats.steps;
         if (!cfg.stats_path.empty() && step % (uint64_t) cfg.stats_flush_interval == 0) {
             flush_stats();
@@ -255,6 +312,9 @@ void expert_pack_provider::acquire(expert_pack_layer * L, int32_t round, int32_t
         }
         L->step_order = std::move(cached);
         L->step_order.insert(L->step_order.end(), missing.begin(), missing.end());
+        if (trace) {
+            record_trace(lay, ids);
+        }
     }
     const size_t per_round = n_rounds == 1 ? L->step_order.size() : (size_t) L->policy->n_slots();
     const size_t begin = std::min(L->step_order.size(), (size_t) round * per_round);
@@ -271,49 +331,137 @@ void expert_pack_provider::acquire(expert_pack_layer * L, int32_t round, int32_t
         return;
     }
 
-    uint64_t hits = 0, misses = 0, evictions = 0;
+    // the device-cache misses, in plan order
+    std::vector<size_t> miss;
     for (size_t i = 0; i < L->plan.size(); ++i) {
-        const auto & a = L->plan[i];
-        if (a.hit) {
-            ++hits;
-            continue;
+        if (!L->plan[i].hit) miss.push_back(i);
+    }
+    const uint64_t hits = L->plan.size() - miss.size();
+    uint64_t misses = 0, evictions = 0;
+    std::vector<char> stored(miss.size(), 0);  // miss j's expert is in its device slot
+    auto loaded = [&](size_t j) {
+        const auto & a = L->plan[miss[j]];
+        stats.h2d_bytes += lay.block_bytes;
+        ++misses;
+        evictions += a.evicted >= 0;
+        stored[j] = 1;
+    };
+    // Reads go to the read pool (read_threads; inline with 1) and are collected in the order they land; each
+    // landed block's copy into its slot starts at once. After the first failure nothing more is submitted or
+    // copied, and the reads still in flight are drained (they write into our buffers) before we return.
+    std::exception_ptr failure;
+    size_t outstanding = 0;
+    auto collect = [&](const auto & on_read) {
+        auto [j, err] = reads->next();
+        --outstanding;
+        if (err && !failure) failure = err;
+        if (!failure) on_read(j);
+    };
+    auto submit_read = [&](size_t j, uint8_t * dst) {
+        const int32_t e = L->plan[miss[j]].expert;
+        ++outstanding;
+        reads->submit(j, [this, &lay, e, dst] { read_block(lay, e, dst); });
+    };
+    if (!ram) {
+        // pack -> staging buffer -> slot. A staging buffer comes back after n_buffers() acquires, so miss j is
+        // submitted only once miss j - n_buffers() is in its slot (acquire then waits for that copy).
+        const size_t nb = L->stage->n_buffers();
+        std::vector<size_t> buf_of(miss.size());
+        auto on_read = [&](size_t j) {
+            L->stage->store(L->arena, L->plan[miss[j]].slot, lay.block_bytes, buf_of[j]);  // asynchronous on a GPU
+            stats.ram_misses++;
+            loaded(j);
+        };
+        size_t next = 0;
+        while ((!failure && next < miss.size()) || outstanding) {
+            try {
+                if (!failure && next < miss.size() && (next < nb || stored[next - nb]) && !reads->ready()) {
+                    const auto t0 = clk::now();
+                    uint8_t * buf = L->stage->acquire(&buf_of[next]);
+                    stats.copy_wait_ns += ns_since(t0);
+                    submit_read(next++, buf);
+                } else {
+                    collect(on_read);
+                }
+            } catch (...) {
+                if (!failure) failure = std::current_exception();
+            }
         }
-        try {
-            auto t0 = clk::now();
-            uint8_t * buf = L->stage->acquire();
-            stats.copy_wait_ns += ns_since(t0);
-            t0 = clk::now();
-            io->read(buf, lay.expert_offset(a.expert), lay.read_bytes);
-            stats.read_ns += ns_since(t0);
-            stats.pack_read_bytes += lay.read_bytes;
-            if (cfg.verify_pack_sha256) {
-                uint8_t sum[16];
-                expert_pack_xxh3_128(buf, lay.block_bytes, sum);
-                if (memcmp(sum, lay.checksums[a.expert].data(), 16) != 0) {
-                    throw io_error("checksum mismatch in layer " + std::to_string(lay.layer) + " expert " +
-                                   std::to_string(a.expert) + " (pack offset " +
-                                   std::to_string(lay.expert_offset(a.expert)) + "): expected " +
-                                   to_hex(lay.checksums[a.expert].data(), 16) + ", read " + to_hex(sum, 16));
+    } else {
+        // RAM block -> slot; a RAM miss is first read from the pack into its block (each read has its own block).
+        // The misses go through the tier in groups of at most its block count (one policy step each, which pins
+        // the group's blocks); between groups every copy completes, so the next group may evict the previous
+        // one's blocks.
+        const size_t per_group = (size_t) ram->n_blocks();
+        std::vector<int32_t> keys;
+        for (size_t g = 0; g < miss.size() && !failure; g += per_group) {
+            const size_t n = std::min(per_group, miss.size() - g);
+            if (g > 0) {
+                L->stage->finish();
+            }
+            keys.clear();
+            for (size_t j = g; j < g + n; ++j) {
+                keys.push_back(L->moe_index * man.n_experts + L->plan[miss[j]].expert);
+            }
+            ram->policy().step(keys, ram_plan);  // cannot fail: n <= blocks, and the keys are distinct
+            auto copy_out = [&](size_t j) {
+                const auto & a = L->plan[miss[j]];
+                const auto & r = ram_plan[j - g];
+                ram->copying(r.slot, L->stage, L->stage->store_from(L->arena, a.slot, ram->block(r.slot), lay.block_bytes));
+                if (r.hit) {
+                    stats.ram_hits++;
+                } else {
+                    stats.ram_misses++;
+                    stats.ram_evictions += r.evicted >= 0;
+                }
+                loaded(j);
+            };
+            size_t next = g;
+            while ((!failure && next < g + n) || outstanding) {
+                try {
+                    if (!failure && next < g + n && !reads->ready()) {
+                        const auto & r = ram_plan[next - g];
+                        if (r.hit) {
+                            copy_out(next++);
+                        } else {
+                            ram->wait_copy(r.slot);  // never overwrite a block whose copy may be in flight
+                            submit_read(next++, ram->block(r.slot));
+                        }
+                    } else {
+                        collect(copy_out);
+                    }
+                } catch (...) {
+                    if (!failure) failure = std::current_exception();
                 }
             }
-            L->stage->store(L->arena, a.slot, lay.block_bytes);  // asynchronous on a GPU
-            stats.h2d_bytes += lay.block_bytes;
-            ++misses;
-            evictions += a.evicted >= 0;
-        } catch (const std::exception & e) {
-            // nothing computed from missing data: this and every later miss of the step hold no expert
-            for (size_t j = i; j < L->plan.size(); ++j) {
-                if (!L->plan[j].hit) L->policy->invalidate(L->plan[j].slot);
+            if (failure) {
+                // a block of this group that was to receive a read but did not reach its slot is not trusted
+                for (size_t j = g; j < g + n; ++j) {
+                    if (!ram_plan[j - g].hit && !stored[j]) ram->policy().invalidate(ram_plan[j - g].slot);
+                }
             }
-            L->stage->finish();  // staging buffers are reused only after their copies
-            stats.io_errors++;
-            stats.cache_hits += hits;
-            stats.cache_misses += misses;
-            stats.cache_evictions += evictions;
-            fail_step(e.what());
-            fill_zero();
-            return;
         }
+    }
+    if (failure) {
+        // nothing computed from missing data: every miss not in its slot holds no expert
+        for (size_t j = 0; j < miss.size(); ++j) {
+            if (!stored[j]) L->policy->invalidate(L->plan[miss[j]].slot);
+        }
+        L->stage->finish();  // staging buffers and RAM blocks are reused only after their copies
+        stats.io_errors++;
+        stats.cache_hits += hits;
+        stats.cache_misses += misses;
+        stats.cache_evictions += evictions;
+        std::string msg = "unknown error while loading experts";
+        try {
+            std::rethrow_exception(failure);
+        } catch (const std::exception & e) {
+            msg = e.what();
+        } catch (...) {
+        }
+        fail_step(msg);
+        fill_zero();
+        return;
     }
     const auto t_wait = clk::now();
     L->stage->finish();  // every copy complete before the slot ids reach the compute stream
@@ -355,6 +503,7 @@ extern "C" expert_pack_provider * expert_pack_open(const char * config_json, cha
         p->cfg = parse_config(config_json ? config_json : "");
         p->man = load_manifest(p->cfg.manifest_path);
         p->io = std::make_unique<io_engine>(p->cfg.pack_path, p->cfg.direct_io, p->cfg.read_splits);
+        p->reads = std::make_unique<read_pool>(p->cfg.read_threads);
         {
             aligned_buffer header(PACK_HEADER_SIZE);
             p->io->read(header.ptr, 0, PACK_HEADER_SIZE);
@@ -369,11 +518,19 @@ extern "C" expert_pack_provider * expert_pack_open(const char * config_json, cha
             auto L = std::make_unique<expert_pack_layer>();
             L->owner = p.get();
             L->layout = &l;
+            L->moe_index = (int32_t) (&l - p->man.layers.data());
             L->meta.assign(l.roles.size(), nullptr);
             for (size_t r = 0; r < l.roles.size(); ++r) {
                 p->by_tensor[l.roles[r].tensor] = {L.get(), r};
             }
             p->layers[l.layer] = std::move(L);
+        }
+        if (!p->cfg.trace_path.empty()) {  // a path we cannot write is a start-up error, not a silent no-trace
+            p->trace = fopen(p->cfg.trace_path.c_str(), "wb");
+            if (!p->trace) {
+                throw std::runtime_error("expert_pack key 'trace_path': cannot create " + p->cfg.trace_path + ": " +
+                                         strerror(errno));
+            }
         }
         return p.release();
     } catch (const std::exception & e) {
@@ -606,6 +763,47 @@ extern "C" int expert_pack_attach(expert_pack_provider * p, int n_layer, ggml_ba
                 }
             }
             p->slots_min = std::min<int32_t>(p->slots_min, (int32_t) slots);
+        }
+        // the host-RAM tier: one pool for all layers, blocks of the largest expert stride; only where some layer
+        // can miss (resident layers never do)
+        bool any_partial = false;
+        for (auto & [_, L] : p->layers) {
+            any_partial |= !L->resident;
+        }
+        if (p->cfg.ram_cache_mib > 0 && any_partial) {
+            uint64_t stride = 0;
+            for (const auto & l : p->man.layers) {
+                stride = std::max(stride, l.expert_stride);
+            }
+            const int64_t n_keys = (int64_t) p->man.layers.size() * p->man.n_experts;
+            // more blocks than keys would never be used; the cap also keeps a huge value from overflowing
+            const int64_t blocks = (int64_t) std::min<double>((double) n_keys, std::floor(p->cfg.ram_cache_mib * MiB / stride));
+            if (blocks < 1) {
+                char buf[256];
+                snprintf(buf, sizeof(buf), "expert_pack key 'ram_cache_mib' (%.3f) holds no expert block of %.2f MiB: "
+                         "use at least %.2f, or 0 to turn the RAM tier off", p->cfg.ram_cache_mib, stride / MiB, stride / MiB);
+                throw std::runtime_error(buf);
+            }
+            ggml_backend_dev_t pin_dev = nullptr;  // pinned for the GPUs' copies when a GPU holds arenas
+            for (auto & [dev, _] : by_dev) {
+                if (ggml_backend_dev_type(dev) != GGML_BACKEND_DEVICE_TYPE_CPU) {
+                    pin_dev = dev;
+                    break;
+                }
+            }
+            p->ram = std::make_unique<ram_tier>(pin_dev, (int32_t) blocks, stride, (int32_t) n_keys);
+            p->stats.ram_blocks = (uint64_t) blocks;
+            p->stats.ram_bytes = p->ram->bytes();
+        }
+        if (p->trace && !p->trace_header) {
+            // "EPTRACE1", u32 version, u32 n_layers, u32 n_experts, u32 k (docs/FORMAT.md)
+            const uint32_t h[4] = {1, (uint32_t) p->man.layers.size(), (uint32_t) p->man.n_experts,
+                                   (uint32_t) n_expert_used};
+            if (fwrite("EPTRACE1", 1, 8, p->trace) != 8 || fwrite(h, sizeof(h), 1, p->trace) != 1) {
+                throw std::runtime_error("expert_pack key 'trace_path': cannot write " + p->cfg.trace_path + ": " +
+                                         strerror(errno));
+            }
+            p->trace_header = true;
         }
         // without rounds, one step's distinct experts in a layer (<= k * n_tokens) must fit the layer's slots
         p->max_ubatch = p->slots_min >= p->man.n_experts || p->rounds_allowed

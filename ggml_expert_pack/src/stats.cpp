@@ -15,11 +15,17 @@ expert_pack_stats counters::snapshot() const {
     s.fallback_count = fallback_count.load();
     s.io_errors = io_errors.load();
     s.steps = steps.load();
+    s.ram_hits = ram_hits.load();
+    s.ram_misses = ram_misses.load();
+    s.ram_evictions = ram_evictions.load();
+    s.ram_blocks = ram_blocks.load();
+    s.ram_bytes = ram_bytes.load();
     return s;
 }
 
 void counters::reset() {
     cache_hits = cache_misses = cache_evictions = pack_read_bytes = h2d_bytes = fallback_count = io_errors = steps = 0;
+    ram_hits = ram_misses = ram_evictions = 0;
     acquire_ns = read_ns = copy_wait_ns = 0;
 }
 
@@ -35,6 +41,14 @@ std::string stats_json(const expert_pack_stats & s, const counters & c, const st
              (unsigned long long) s.io_errors, (unsigned long long) s.steps,
              keys ? (double) s.cache_hits / (double) keys : 0.0);
     std::string out = buf;
+    const uint64_t ram_keys = s.ram_hits + s.ram_misses;
+    snprintf(buf, sizeof(buf),
+             ",\"ram_hits\":%llu,\"ram_misses\":%llu,\"ram_evictions\":%llu,\"ram_blocks\":%llu,\"ram_bytes\":%llu,"
+             "\"ram_hit_rate\":%.6f",
+             (unsigned long long) s.ram_hits, (unsigned long long) s.ram_misses, (unsigned long long) s.ram_evictions,
+             (unsigned long long) s.ram_blocks, (unsigned long long) s.ram_bytes,
+             ram_keys ? (double) s.ram_hits / (double) ram_keys : 0.0);
+    out += buf;
     snprintf(buf, sizeof(buf), ",\"acquire_ms\":%.3f,\"read_ms\":%.3f,\"copy_wait_ms\":%.3f",
              c.acquire_ns.load() / 1e6, c.read_ns.load() / 1e6, c.copy_wait_ns.load() / 1e6);
     out += buf;

@@ -17,6 +17,11 @@ struct counters {
     std::atomic<uint64_t> fallback_count{0};
     std::atomic<uint64_t> io_errors{0};
     std::atomic<uint64_t> steps{0};
+    std::atomic<uint64_t> ram_hits{0};
+    std::atomic<uint64_t> ram_misses{0};
+    std::atomic<uint64_t> ram_evictions{0};
+    std::atomic<uint64_t> ram_blocks{0};    // geometry, not a counter: reset() keeps it
+    std::atomic<uint64_t> ram_bytes{0};
     // where acquire time goes (the step profile of docs/BENCHMARKS.md)
     std::atomic<uint64_t> acquire_ns{0};    // inside the graph op, all of it
     std::atomic<uint64_t> read_ns{0};       // inside pack reads

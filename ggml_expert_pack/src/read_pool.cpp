@@ -1,0 +1,80 @@
+#include "read_pool.h"
+
+namespace expert_pack {
+
+read_pool::read_pool(int n_threads) {
+    for (int i = 0; n_threads > 1 && i < n_threads; ++i) {
+        threads_.emplace_back([this] { worker(); });
+    }
+}
+
+read_pool::~read_pool() {
+    {
+        std::lock_guard<std::mutex> lk(mu_);
+        stop_ = true;
+    }
+    work_cv_.notify_all();
+    for (auto & t : threads_) {
+        t.join();
+    }
+}
+
+void read_pool::submit(size_t tag, std::function<void()> fn) {
+    if (threads_.empty()) {
+        std::exception_ptr err;
+        try {
+            fn();
+        } catch (...) {
+            err = std::current_exception();
+        }
+        std::lock_guard<std::mutex> lk(mu_);
+        done_.emplace_back(tag, err);
+        return;
+    }
+    {
+        std::lock_guard<std::mutex> lk(mu_);
+        jobs_.emplace_back(tag, std::move(fn));
+    }
+    work_cv_.notify_one();
+}
+
+bool read_pool::ready() {
+    std::lock_guard<std::mutex> lk(mu_);
+    return !done_.empty();
+}
+
+std::pair<size_t, std::exception_ptr> read_pool::next() {
+    std::unique_lock<std::mutex> lk(mu_);
+    done_cv_.wait(lk, [this] { return !done_.empty(); });
+    auto d = done_.front();
+    done_.pop_front();
+    return d;
+}
+
+void read_pool::worker() {
+    for (;;) {
+        std::pair<size_t, std::function<void()>> job;
+        {
+            std::unique_lock<std::mutex> lk(mu_);
+            work_cv_.wait(lk, [this] { return stop_ || !jobs_.empty(); });
+            if (stop_ && jobs_.empty()) {
+                return;
+            }
+            job = std::move(jobs_.front());
+            jobs_.pop_front();
+        }
+        std::exception_ptr err;
+        try {
+            job.second();
+        } catch (...) {
+            err = std::current_exception();
+        }
+        {
+            std::lock_guard<std::mutex> lk(mu_);
+            done_.emplace_back(job.first, err);
+        }
+        done_cv_.notify_one();
+    }
+}
+
+}  // namespace expert_pack

@@ -1,0 +1,46 @@
+// Concurrent whole-block reads for one acquire (config key read_threads): a step's misses are submitted as
+// soon as each has a destination of its own (a RAM-tier block: all of them at once; a staging buffer: as many
+// as there are buffers) and read by a few threads; the acquiring thread collects the reads in the order they
+// land and starts each block's copy into its slot right away. With read_threads = 1 there are no threads: submit() runs the read on the caller, so the sequence is
+// the plain read, copy, read, copy.
+#pragma once
+
+#include <condition_variable>
+#include <cstddef>
+#include <deque>
+#include <exception>
+#include <functional>
+#include <mutex>
+#include <thread>
+#include <utility>
+#include <vector>
+
+namespace expert_pack {
+
+class read_pool {
+public:
+    explicit read_pool(int n_threads);  // n_threads <= 1: inline
+    ~read_pool();
+    read_pool(const read_pool &) = delete;
+    read_pool & operator=(const read_pool &) = delete;
+
+    // Run `fn` (on a worker, or now on the caller); its completion is reported by next() under `tag`.
+    void submit(size_t tag, std::function<void()> fn);
+    // Whether a completion is waiting (next() would not block).
+    bool ready();
+    // The next completed job, blocking until one is: its tag and its exception (null when it succeeded).
+    // Only call with a job outstanding.
+    std::pair<size_t, std::exception_ptr> next();
+
+private:
+    void worker();
+
+    std::vector<std::thread> threads_;
+    std::mutex mu_;
+    std::condition_variable work_cv_, done_cv_;
+    std::deque<std::pair<size_t, std::function<void()>>> jobs_;
+    std::deque<std::pair<size_t, std::exception_ptr>> done_;
+    bool stop_ = false;
+};
+
+}  // namespace expert_pack

@@ -1,0 +1,233 @@
+"""The host-RAM tier and concurrent miss reads (issue 9). The tier is a pool of whole expert blocks in host
+memory between the pack and the device cache. With it the logits stay bit-identical to stock llama.cpp, every
+device-cache miss is a RAM hit or a pack read, a tier that holds everything serves a second run without
+touching the pack, an I/O error fails only the request it hits, and bad sizes are refused naming the key; the
+same holds with read_threads > 1."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ggml_expert_pack.lossless import Session, cache_mib_for_slots, ram_mib_for_blocks, run
+from ggml_expert_pack.packer.format import TRUNK_FILE, layers_from_manifest, load_manifest
+from ggml_expert_pack.pybind.provider import Provider, normalize_config
+
+K = 4  # experts per token in the tiny models (4 MoE layers of 16 experts: 64 keys)
+MIXED = dict(expert_type="q4_k", expert_types={"down": "q8_0"},
+             layer_expert_types={"1": "q2_k", "2": "f16", "3": {"gate": "q3_k", "up": "q3_k"}})
+
+
+@pytest.fixture(scope="module")
+def stock(packs):
+    """The stock llama.cpp reference run of a model, computed once."""
+    cache = {}
+
+    def get(src):
+        if src not in cache:
+            cache[src] = run(src, None, n_ubatch=256)
+        return cache[src]
+    return get
+
+
+def _provider(pack, slots, ram_blocks, **kw):
+    return Provider.open(pack, cache_vram_mib=cache_mib_for_slots(pack, slots), cache_vram_reserve_mib=0,
+                         ram_cache_mib=ram_mib_for_blocks(pack, ram_blocks), **kw)
+
+
+# 5 blocks: fewer than the misses of one round (up to 9), so the misses go through the tier in groups;
+# 24 blocks: more than a step needs, less than the 64 keys, so the tier evicts too
+@pytest.mark.parametrize("ram_blocks", [5, 24], ids=["grouped", "evicting"])
+@pytest.mark.parametrize("kind", ["q4_k", "mixed"])
+def test_lossless_with_ram_tier(packs, stock, kind, ram_blocks):
+    src, pack = packs("qwen3moe", **(MIXED if kind == "mixed" else {}))
+    p = _provider(pack, 2 * K + 1, ram_blocks)
+    try:
+        got = run(src, p, record_routing=True, n_ubatch=256)
+        c = p.counters()
+        s = p.stats()
+    finally:
+        p.close()
+    ref = stock(src)
+    assert got.error == 0 and got.tokens == ref.tokens
+    assert np.array_equal(got.logits, ref.logits), f"max |diff| {np.abs(got.logits - ref.logits).max()}"
+
+    m = load_manifest(pack)
+    layers = layers_from_manifest(m)
+    assert c["io_errors"] == 0
+    keys = sum(len(np.unique(ids)) for step in got.routing for ids in step.values())
+    assert c["cache_hits"] + c["cache_misses"] == keys
+    # every device-cache miss came from the RAM tier or from the pack, never both
+    assert c["cache_misses"] == c["ram_hits"] + c["ram_misses"]
+    assert c["ram_evictions"] > 0
+    if ram_blocks > 2 * K + 1:  # a tier larger than the device cache serves some of its misses
+        assert c["ram_hits"] > 0
+    assert c["ram_misses"] - c["ram_evictions"] <= ram_blocks  # free blocks are filled once
+    read = {l.read_bytes for l in layers}
+    if len(read) == 1:
+        assert c["pack_read_bytes"] == c["ram_misses"] * read.pop()
+    assert c["h2d_bytes"] > 0 and s["ram_hit_rate"] == pytest.approx(c["ram_hits"] / c["cache_misses"], abs=1e-6)  # printed with 6 digits
+
+
+def test_tier_off_counts_every_miss_as_a_pack_read(packs):
+    src, pack = packs("qwen3moe")
+    p = Provider.open(pack, cache_vram_mib=cache_mib_for_slots(pack, 2 * K + 1), cache_vram_reserve_mib=0)
+    try:
+        run(src, p, prompt_len=2, n_decode=4)
+        c = p.counters()
+    finally:
+        p.close()
+    assert c["ram_blocks"] == c["ram_bytes"] == c["ram_hits"] == c["ram_evictions"] == 0
+    assert c["ram_misses"] == c["cache_misses"] > 0
+
+
+def test_a_tier_that_holds_everything_serves_the_second_run(packs):
+    src, pack = packs("qwen3moe")
+    n_keys = 4 * 16
+    p = _provider(pack, 2 * K + 1, n_keys)
+    s = Session(pack / TRUNK_FILE, p, n_ctx=256, n_ubatch=256, n_gpu_layers=0)
+    try:
+        prompt = [(i * 7919) % 1000 + 100 for i in range(8)]
+        first, rc = s.generate(prompt, 16)
+        assert rc == 0
+        c1 = p.counters()
+        assert c1["pack_read_bytes"] > 0 and c1["ram_evictions"] == 0  # the tier holds every key: no evictions
+        p.reset_stats()
+        p.reset_cache()  # the device cache forgets everything; the RAM tier keeps its blocks
+        s.reset()
+        second, rc = s.generate(prompt, 16)
+        c2 = p.counters()
+        js = p.stats()
+    finally:
+        s.close()
+        p.close()
+    stride = max(l["expert_stride"] for l in load_manifest(pack)["layers"])
+    # the geometry while attached (a detached provider has freed its tier and reports 0 blocks)
+    assert js["ram_blocks"] == n_keys and js["ram_bytes"] == n_keys * stride and js["ram_block_bytes"] == stride
+    assert js["ram_pinned"] is False  # plain memory on the CPU backend
+    assert rc == 0 and second == first
+    assert c2["cache_misses"] > 0 and c2["pack_read_bytes"] == 0 and c2["ram_misses"] == 0
+    assert c2["ram_hits"] == c2["cache_misses"]
+    assert c2["ram_blocks"] == n_keys  # reset_stats keeps the geometry
+
+
+def test_eio_with_ram_tier_fails_the_request_then_recovers(packs):
+    src, pack = packs("qwen3moe")
+    prompt = [(i * 7919) % 1000 + 100 for i in range(8)]
+    ref = Session(src, n_gpu_layers=0)
+    want, rc = ref.generate(prompt, 24)
+    ref.close()
+    assert rc == 0
+    p = _provider(pack, 2 * K + 1, 12)
+    s = Session(pack / TRUNK_FILE, p, n_gpu_layers=0)
+    try:
+        got, rc = s.generate(prompt, 6)
+        assert rc == 0 and got == want[:6]
+        reads = p.counters()["ram_misses"]
+        p.inject_eio(2)                           # the disk fails after 2 more block reads
+        while rc == 0 and len(got) < 24:
+            got.append(int(np.argmax(s.logits())))
+            rc = s.decode([got[-1]])
+        assert rc != 0 and len(got) < 24          # the request fails at a step that needed the disk
+        assert got == want[:len(got)]             # every token produced came from complete data
+        c = p.counters()
+        assert c["io_errors"] == 1 and "Input/output error" in p.last_error
+        assert c["ram_misses"] - reads == 2       # the two reads that landed; the failed one is not counted
+        assert c["cache_misses"] == c["ram_hits"] + c["ram_misses"]
+        p.inject_eio(-1)                          # readable again: the next request is served, and no RAM
+        s.reset()                                 # block that the failed read was meant to fill is used
+        again, rc = s.generate(prompt, 24)
+        assert rc == 0 and again == want
+    finally:
+        s.close()
+        p.close()
+
+
+@pytest.mark.parametrize("value, match", [
+    (-1, "'ram_cache_mib' must be a number >= 0"),
+    ("64", "'ram_cache_mib' must be a number >= 0"),
+    (True, "'ram_cache_mib' must be a number >= 0"),
+    ([1], "'ram_cache_mib' must be a number >= 0"),
+])
+def test_bad_ram_cache_mib_names_the_key(packs, value, match):
+    _, pack = packs("qwen3moe")
+    with pytest.raises(ValueError, match=match):
+        normalize_config(pack, ram_cache_mib=value)
+
+
+def test_ram_tier_below_one_block_is_a_startup_error(packs):
+    src, pack = packs("qwen3moe")
+    p = Provider.open(pack, cache_vram_mib=cache_mib_for_slots(pack, 2 * K + 1), cache_vram_reserve_mib=0,
+                      ram_cache_mib=0.01)
+    try:
+        with pytest.raises(RuntimeError, match=r"'ram_cache_mib' \(0\.010\) holds no expert block of .* MiB"):
+            run(src, p, n_decode=1)
+    finally:
+        p.close()
+
+
+# ---- concurrent miss reads (read_threads) -------------------------------------------------------------------
+
+@pytest.mark.parametrize("ram_blocks", [None, 5, 24], ids=["staging", "ram-grouped", "ram-evicting"])
+@pytest.mark.parametrize("kind", ["q4_k", "mixed"])
+def test_lossless_with_read_threads(packs, stock, kind, ram_blocks):
+    src, pack = packs("qwen3moe", **(MIXED if kind == "mixed" else {}))
+    kw = dict(read_threads=4, stage_slots=2)  # fewer staging buffers than threads: reads wait for a buffer
+    if ram_blocks is None:
+        p = Provider.open(pack, cache_vram_mib=cache_mib_for_slots(pack, 2 * K + 1), cache_vram_reserve_mib=0, **kw)
+    else:
+        p = _provider(pack, 2 * K + 1, ram_blocks, **kw)
+    try:
+        got = run(src, p, record_routing=True, n_ubatch=256)
+        c = p.counters()
+    finally:
+        p.close()
+    ref = stock(src)
+    assert got.error == 0 and got.tokens == ref.tokens
+    assert np.array_equal(got.logits, ref.logits), f"max |diff| {np.abs(got.logits - ref.logits).max()}"
+    keys = sum(len(np.unique(ids)) for step in got.routing for ids in step.values())
+    assert c["cache_hits"] + c["cache_misses"] == keys
+    assert c["cache_misses"] == c["ram_hits"] + c["ram_misses"] and c["io_errors"] == 0
+    read = {l.read_bytes for l in layers_from_manifest(load_manifest(pack))}
+    if len(read) == 1:
+        assert c["pack_read_bytes"] == c["ram_misses"] * read.pop()
+
+
+@pytest.mark.parametrize("ram_blocks", [None, 12], ids=["staging", "ram"])
+def test_eio_with_read_threads_fails_the_request_then_recovers(packs, ram_blocks):
+    src, pack = packs("qwen3moe")
+    prompt = [(i * 7919) % 1000 + 100 for i in range(8)]
+    ref = Session(src, n_gpu_layers=0)
+    want, rc = ref.generate(prompt, 24)
+    ref.close()
+    kw = dict(read_threads=4)
+    if ram_blocks is None:
+        p = Provider.open(pack, cache_vram_mib=cache_mib_for_slots(pack, 2 * K + 1), cache_vram_reserve_mib=0, **kw)
+    else:
+        p = _provider(pack, 2 * K + 1, ram_blocks, **kw)
+    s = Session(pack / TRUNK_FILE, p, n_gpu_layers=0)
+    try:
+        got, rc = s.generate(prompt, 6)
+        assert rc == 0 and got == want[:6]
+        p.inject_eio(2)
+        while rc == 0 and len(got) < 24:
+            got.append(int(np.argmax(s.logits())))
+            rc = s.decode([got[-1]])
+        assert rc != 0 and len(got) < 24
+        assert got == want[:len(got)]
+        c = p.counters()
+        assert c["io_errors"] == 1 and "Input/output error" in p.last_error
+        assert c["cache_misses"] == c["ram_hits"] + c["ram_misses"]
+        p.inject_eio(-1)
+        s.reset()
+        again, rc = s.generate(prompt, 24)
+        assert rc == 0 and again == want
+    finally:
+        s.close()
+        p.close()
+
+
+def test_bad_read_threads_names_the_key(packs):
+    _, pack = packs("qwen3moe")
+    for v in (0, 65, "4", 2.5):
+        with pytest.raises(ValueError, match="'read_threads' must be an integer in \\[1, 64\\]"):
+            normalize_config(pack, read_threads=v)
