@@ -13,7 +13,8 @@ memory figures, stop it. Systems:
   d       the same with buffered reads (direct_io off)
   e       the fork's own llama-server --expert-pack, cache as (c)
   c-tiny  (c) with a cache of --tiny-cache-frac of the experts (the reference's Kimi-K3 ratio)
-  f       (c) plus a host-RAM tier of --ram-tier-frac of the model (only if the provider knows ram_cache_mib)
+  f       (c) plus a host-RAM tier of --ram-tier-frac of the model (pinned, inside the same RAM cap)
+  g       (c) with a step's misses read by 4 threads (read_threads), each copy started as its read lands
 "stock" is the fork's llama-server binary without --expert-pack: the patches are inert without a pack (the
 lossless tests show stock-identical logits on that path), so it is the same source and build as (e).
 
@@ -186,7 +187,7 @@ def report(out: Path) -> str:
     lines += ["", bench_client.markdown_table(list(reps.values()), "a-stock-cpu-moe")]
     pairs = [("c-ours-odirect", "a-stock-cpu-moe"), ("c-ours-odirect", "b-stock-all-gpu"),
              ("c-ours-odirect", "d-ours-buffered"), ("c-ours-odirect", "e-fork-llama-server"),
-             ("f-ours-ram-tier", "c-ours-odirect")]
+             ("f-ours-ram-tier", "c-ours-odirect"), ("g-ours-read-threads-4", "c-ours-odirect")]
     lines += ["| ratio | decode | prefill |", "|---|---|---|"]
     for x, y in pairs:
         if x in reps and y in reps:
@@ -206,7 +207,7 @@ def report(out: Path) -> str:
         dec = _all(rp, "decode_tok_s") or 0
         bound = od / bpt if od and bpt else None
         cpu = ex.get("cpu_s_per_gb_read")
-        lines.append(f"| {name} | {dec:.2f} | {bpt / 1e6:.0f} | {bw / 1e9 if bw else float('nan'):.2f} | "
+        lines.append(f"| {name} | {dec:.2f} | {bpt / 1e6:.1f} | {bw / 1e9 if bw else float('nan'):.2f} | "
                      f"{bound if bound else float('nan'):.2f} | {dec / bound if bound else float('nan'):.0%} | "
                      f"{cpu if cpu is not None else float('nan'):.2f} / {ex.get('cpu_sys_s_per_gb_read', float('nan')):.2f} | "
                      f"{ex.get('cgroup', {}).get('stat_file', 0) / 1e9:.2f} GB |")
@@ -237,7 +238,7 @@ def main() -> int:
                     help="the original GGUF (generated with --shape if missing)")
     ap.add_argument("--pack", type=Path, default=Path("/tmp/ep-bench/30b-a3b.pack"), help="its pack (built if missing)")
     ap.add_argument("--shape", default="30b-a3b")
-    ap.add_argument("--systems", default="b,c,e,d,c-tiny,f,a")
+    ap.add_argument("--systems", default="b,c,e,d,c-tiny,f,g,a")
     ap.add_argument("--ram-cap", type=float, default=0.20, help="host RAM cap as a fraction of the model file")
     ap.add_argument("--cache-frac", type=float, default=0.14, help="expert cache as a fraction of the experts")
     ap.add_argument("--tiny-cache-frac", type=float, default=0.005)
@@ -303,9 +304,11 @@ def main() -> int:
                *common], args.n_predict),
         "c-tiny": (ours + ["--cache-mib", f"{tiny_mib}"], args.n_predict),
         "f": (ours + ["--cache-mib", f"{cache_mib}", "--ram-cache-mib", f"{ram_tier_mib:.0f}"], args.n_predict),
+        "g": (ours + ["--cache-mib", f"{cache_mib}", "--read-threads", "4"], args.n_predict),
     }
     names = {"a": "a-stock-cpu-moe", "b": "b-stock-all-gpu", "c": "c-ours-odirect", "d": "d-ours-buffered",
-             "e": "e-fork-llama-server", "c-tiny": "c-ours-odirect-tiny-cache", "f": "f-ours-ram-tier"}
+             "e": "e-fork-llama-server", "c-tiny": "c-ours-odirect-tiny-cache", "f": "f-ours-ram-tier",
+             "g": "g-ours-read-threads-4"}
     cg = make_cgroup("expert-pack-bench", cap)
     for key in args.systems.split(","):
         cmd, n_predict = systems[key]
