@@ -83,6 +83,9 @@ def run(model_path, provider=None, n_ubatch: int = 512, prompt_len: int = 12, n_
     cp.n_batch = n_ctx
     cp.n_ubatch = n_ubatch
     cp.n_threads = cp.n_threads_batch = n_threads
+    # CPU layers compute on the CPU on both sides: on a CUDA build stock would offload a prompt's big matmuls to the
+    # GPU (op_offload), which a pack turns off (vendor/patches/0004) -- other kernels, other bits
+    cp.op_offload = n_gpu_layers != 0
     if record_routing:
         from .libggml import lib_dir
         ggml = ctypes.CDLL(str(lib_dir() / "libggml-base.so"))
@@ -155,6 +158,7 @@ class Session:
         cp = lc.llama_context_default_params()
         cp.n_ctx, cp.n_batch, cp.n_ubatch = n_ctx, n_ctx, n_ubatch
         cp.n_threads = cp.n_threads_batch = n_threads or os.cpu_count() or 4
+        cp.op_offload = n_gpu_layers != 0  # as in run(): CPU layers stay on the CPU on both sides
         self.ctx = lc.llama_init_from_model(self.model, cp)
         if not self.ctx:
             lc.llama_model_free(self.model)

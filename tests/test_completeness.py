@@ -127,3 +127,20 @@ def test_truncated_pack_mid_generation_fails_then_recovers(packs, tmp_path):
     finally:
         s.close()
         p.close()
+
+
+def test_deep_model_with_a_small_cache_prefills_a_full_batch(synth_model, tmp_path):
+    """48 layers, 64 experts, a cache of 4 slots: a 256-token ubatch needs 16 rounds in every layer, and the graph
+    must have room for them (on the GPU a 48-layer model with 18 of 128 slots aborted in graph_reserve)."""
+    from ggml_expert_pack.packer import build
+    src = synth_model("qwen3moe", n_layer=48, n_expert=64)
+    pack = build(src, tmp_path / "pack", progress=False).pack_dir
+    p = Provider.open(pack, cache_vram_mib=cache_mib_for_slots(pack, 4), cache_vram_reserve_mib=0)
+    try:
+        r = run(pack / TRUNK_FILE, p, prompt_len=PROMPT, n_decode=4)
+        assert r.error == 0 and r.n_ubatch >= PROMPT  # the prompt in one ubatch: no cap
+        assert p.stats()["fallback_count"] > 0  # the prompt went through in rounds
+    finally:
+        p.close()
+    stock = run(src, None, prompt_len=PROMPT, n_decode=4)
+    assert r.tokens == stock.tokens and np.array_equal(r.logits, stock.logits)

@@ -22,7 +22,9 @@ def pair(synth_model, tmp_path_factory):
 
 
 def _llm(path, **kw):
-    return Llama(model_path=str(path), n_ctx=256, n_threads=2, verbose=False, seed=0, **kw)
+    # op_offload off on both sides: on a CUDA build stock would compute the prompt's big matmuls on the GPU, which a
+    # pack turns off (vendor/patches/0004) -- the comparison is CPU against CPU
+    return Llama(model_path=str(path), n_ctx=256, n_threads=2, verbose=False, seed=0, op_offload=False, **kw)
 
 
 @pytest.fixture(scope="module")
