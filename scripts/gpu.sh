@@ -8,7 +8,8 @@
 #   scripts/gpu.sh test OUT               the test suite, GPU tests included
 #   scripts/gpu.sh bench OUT NAME [ARGS]  a benchmark: python scripts/bench_NAME.py --out OUT ARGS
 #   scripts/gpu.sh all OUT                build, then test
-#   scripts/gpu.sh pipeline OUT [ARGS]   build; the tests while the benchmark model is generated and packed; archs;
+#   scripts/gpu.sh pipeline OUT [ARGS]   build; the tests (EP_TEST_ARGS: which) while the benchmark model is generated
+#                                         and packed; archs;
 #                                         then scripts/bench_systems.py ARGS (issue 8) -- meant for `start`
 #   scripts/gpu.sh collect OUT            everything the detached stages wrote -> OUT/results.tgz (one file back)
 #   scripts/gpu.sh archs OUT              release archs (EP_RELEASE_ARCHS, default "89;90a;120"): compile one CUDA
@@ -119,7 +120,7 @@ do_pipeline() {
   env_site
   ( $PY scripts/bench_systems.py --out "$out/systems" --prepare-only > "$out/prepare.log" 2>&1; echo "prepare exit $?" >> "$out/prepare.log" ) &
   local prep=$!
-  EP_SKIP_ARCHS_TOOL=1 timed "$out" test do_test "$out" -q
+  EP_SKIP_ARCHS_TOOL=1 timed "$out" test do_test "$out" -q ${EP_TEST_ARGS:-}
   timed "$out" archs do_archs "$out"
   wait $prep
   timed "$out" bench-systems do_bench "$out/systems" systems "$@"
