@@ -114,6 +114,11 @@ class Provider:
         self._check()
         return lib().expert_pack_max_ubatch(self._h)
 
+    def distinct_round_slots(self, on: bool = True) -> None:
+        """Test seam: serve rounds with the GPU's slot assignment (a token's slot ids distinct) on any device."""
+        self._check()
+        lib().expert_pack_test_distinct_round_slots(self._h, int(on))
+
     def inject_eio(self, after_reads: int) -> None:
         """Test seam: after `after_reads` more block reads, reads fail with EIO; -1 disarms."""
         self._check()

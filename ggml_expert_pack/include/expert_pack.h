@@ -108,7 +108,7 @@ EXPERT_PACK_API int expert_pack_layer_resident(const expert_pack_layer * l);
 EXPERT_PACK_API struct ggml_tensor * expert_pack_layer_arena(expert_pack_layer * l, const struct ggml_tensor * t);
 // How many rounds a step of `n_tokens` needs in this layer: 1 when its distinct experts always fit the slots;
 // otherwise the experts are served in groups of at most `slots`, one acquire op per round (the other pairs of
-// a round point at an all-zero slot and the rounds' outputs are summed).
+// a round get a zero input through expert_pack_round_mask and the rounds' outputs are summed).
 EXPERT_PACK_API int32_t expert_pack_layer_rounds(expert_pack_layer * l, int64_t n_tokens);
 // The userdata of round `round` of `n_rounds` for the acquire op (stable while attached).
 EXPERT_PACK_API void * expert_pack_layer_round(expert_pack_layer * l, int32_t round, int32_t n_rounds);
@@ -118,9 +118,15 @@ EXPERT_PACK_API void expert_pack_disable_rounds(expert_pack_provider * p);
 // The graph op (ggml_custom_4d, userdata from expert_pack_layer_round): expert ids (src[0], I32 [k, n_tokens])
 // -> cache slot ids (dst, same shape), loading this round's misses before it returns.
 EXPERT_PACK_API void expert_pack_acquire(struct ggml_tensor * dst, int ith, int nth, void * userdata);
+// The graph op after a round's acquire op (ggml_custom_4d, F32 [1, k, n_tokens], src[0] = that acquire op's output,
+// same userdata): 1 for the (token, pair)s the round serves, 0 for the others, whose expert input the graph multiplies
+// by 0 -- they read another slot of the cache (a token's slot ids must stay distinct on the GPU) and add exact zeros.
+EXPERT_PACK_API void expert_pack_round_mask(struct ggml_tensor * dst, int ith, int nth, void * userdata);
 // Non-zero if a step failed since the last call (which clears the flag); the message is expert_pack_last_error.
 EXPERT_PACK_API int expert_pack_take_step_error(expert_pack_provider * p);
 
+// Test seam: serve rounds on the CPU with the GPU's slot assignment (a token's slot ids distinct).
+EXPERT_PACK_API void expert_pack_test_distinct_round_slots(expert_pack_provider * p, int on);
 // Test seam: after `n` more block reads, every read fails with EIO until called again with -1.
 EXPERT_PACK_API void expert_pack_test_inject_eio(expert_pack_provider * p, int64_t n);
 

@@ -68,6 +68,7 @@ struct expert_pack_round {
     expert_pack_layer * layer;
     int32_t index;
     int32_t count;
+    std::vector<float> mask;  // per (token, pair): 1 if the pair's expert is served in this round, else 0
 };
 
 struct expert_pack_layer {
@@ -114,6 +115,7 @@ struct expert_pack_provider {
     uint64_t counted_short_reads = 0;
     bool failure_pending = false; // reported by expert_pack_take_step_error
     int32_t last_layer = INT32_MAX;
+    bool test_distinct_slots = false;  // test seam: the GPU's slot assignment for rounds on the CPU
 
     ~expert_pack_provider() {
         detach();
@@ -186,7 +188,7 @@ struct expert_pack_provider {
         failure_pending = true;
     }
 
-    void acquire(expert_pack_layer * L, int32_t round, int32_t n_rounds, ggml_tensor * dst);
+    void acquire(expert_pack_layer * L, int32_t round, int32_t n_rounds, ggml_tensor * dst, std::vector<float> * mask);
     void preload(expert_pack_layer * L);
     void read_block(const layer_layout & lay, int32_t expert, uint8_t * dst);
     void record_trace(const layer_layout & lay, const ggml_tensor * ids);
@@ -258,7 +260,8 @@ void expert_pack_provider::record_trace(const layer_layout & lay, const ggml_ten
     }
 }
 
-void expert_pack_provider::acquire(expert_pack_layer * L, int32_t round, int32_t n_rounds, ggml_tensor * dst) {
+void expert_pack_provider::acquire(expert_pack_layer * L, int32_t round, int32_t n_rounds, ggml_tensor * dst,
+                                   std::vector<float> * mask) {
     const auto t_start = clk::now();
     struct timer {  // acquire_ns covers every return path
         counters & c; clk::time_point t0;
@@ -281,8 +284,20 @@ void expert_pack_provider::acquire(expert_pack_layer * L, int32_t round, int32_t
     }
     last_layer = lay.layer;
 
-    // on failure every pair points at a harmless slot: the step is reported failed and its outputs unused
-    auto fill_zero = [&] { std::fill(out, out + k * n_tokens, std::max(L->zero_slot, 0)); };
+    // A round's mask (1 for the pairs it serves) zeroes the input of every other pair: their outputs are exact zeros.
+    if (mask) {
+        mask->assign((size_t) (k * n_tokens), 0.0f);
+    }
+    // On failure every pair points at a valid slot, distinct within its token (the GPU's mul_mat_id assumes a
+    // token's k ids are distinct; duplicates made it index out of bounds): the step is reported failed and its
+    // outputs are unused.
+    auto fill_zero = [&] {
+        for (int64_t t = 0; t < n_tokens; ++t) {
+            for (int64_t j = 0; j < k; ++j) {
+                out[t * k + j] = (int32_t) j;  // k <= slots: attach refuses a cache below one token's experts
+            }
+        }
+    };
     if (step_failed || !L->policy) {
         if (!L->policy) fail_step("expert pack is not attached to a model");
         fill_zero();
@@ -473,14 +488,64 @@ void expert_pack_provider::acquire(expert_pack_layer * L, int32_t round, int32_t
     stats.fallback_count += short_reads - counted_short_reads;
     counted_short_reads = short_reads;
 
+    if (n_rounds == 1) {  // every pair is served
+        for (int64_t t = 0; t < n_tokens; ++t) {
+            const int32_t * row = (const int32_t *) ((const char *) ids->data + t * ids->nb[1]);
+            for (int64_t j = 0; j < k; ++j) {
+                out[t * k + j] = L->policy->slot_of(row[j]);
+            }
+        }
+        return;
+    }
+    // A round: the pairs it serves read their experts' slots (mask 1). Every other pair gets a zero input (mask 0),
+    // so its output is an exact zero whatever its slot holds. On the CPU those pairs read the all-zero slot: the
+    // served slots then see exactly the rows they see in stock llama.cpp, so the kernels tile them alike and the
+    // result is bit-identical. On a GPU a token's k slot ids must be distinct (mul_mat_id's id helper keeps one pair
+    // per token and expert; duplicates left rows unmapped and it read out of bounds): there each other pair reads a
+    // slot its token does not use, preferring the zero slot and slots outside this round.
     std::vector<char> in_round(man.n_experts, 0);
     for (int32_t e : unique) {
         in_round[e] = 1;
     }
+    const bool distinct = L->arena.host_base == nullptr || test_distinct_slots;  // device memory (or the test seam)
+    const int32_t n_arena = L->arena.n_slots;
+    std::vector<int32_t> spare;  // slots for the other pairs on a GPU, best first
+    if (distinct) {
+        std::vector<char> served(n_arena, 0);
+        for (int32_t e : unique) {
+            served[L->policy->slot_of(e)] = 1;
+        }
+        if (L->zero_slot >= 0) spare.push_back(L->zero_slot);
+        for (int32_t s = 0; s < n_arena; ++s) {
+            if (!served[s] && s != L->zero_slot) spare.push_back(s);
+        }
+        for (int32_t s = 0; s < n_arena; ++s) {
+            if (served[s]) spare.push_back(s);
+        }
+    }
+    std::vector<char> used(n_arena, 0);
     for (int64_t t = 0; t < n_tokens; ++t) {
         const int32_t * row = (const int32_t *) ((const char *) ids->data + t * ids->nb[1]);
+        if (distinct) std::fill(used.begin(), used.end(), 0);
         for (int64_t j = 0; j < k; ++j) {
-            out[t * k + j] = in_round[row[j]] ? L->policy->slot_of(row[j]) : L->zero_slot;
+            if (in_round[row[j]]) {
+                out[t * k + j] = L->policy->slot_of(row[j]);
+                (*mask)[t * k + j] = 1.0f;
+                if (distinct) used[out[t * k + j]] = 1;
+            }
+        }
+        size_t next = 0;
+        for (int64_t j = 0; j < k; ++j) {
+            if (in_round[row[j]]) {
+                continue;
+            }
+            if (!distinct) {
+                out[t * k + j] = L->zero_slot;
+                continue;
+            }
+            while (used[spare[next]]) ++next;  // k <= n_arena: a free one always exists
+            out[t * k + j] = spare[next];
+            used[spare[next]] = 1;
         }
     }
 }
@@ -874,7 +939,24 @@ extern "C" void expert_pack_acquire(ggml_tensor * dst, int ith, int nth, void * 
         return;
     }
     auto * r = (expert_pack_round *) userdata;
-    r->layer->owner->acquire(r->layer, r->index, r->count, dst);
+    r->layer->owner->acquire(r->layer, r->index, r->count, dst, r->count > 1 ? &r->mask : nullptr);
+}
+
+extern "C" void expert_pack_round_mask(ggml_tensor * dst, int ith, int nth, void * userdata) {
+    (void) nth;
+    if (ith != 0) {
+        return;
+    }
+    const auto * r = (const expert_pack_round *) userdata;
+    float * out = (float *) dst->data;
+    const size_t n = (size_t) ggml_nelements(dst);
+    for (size_t i = 0; i < n; ++i) {
+        out[i] = i < r->mask.size() ? r->mask[i] : 0.0f;  // a failed round serves nothing
+    }
+}
+
+extern "C" void expert_pack_test_distinct_round_slots(expert_pack_provider * p, int on) {
+    p->test_distinct_slots = on != 0;
 }
 
 extern "C" void expert_pack_test_inject_eio(expert_pack_provider * p, int64_t n) {
