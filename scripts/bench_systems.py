@@ -173,7 +173,7 @@ def report(out: Path) -> str:
     from ggml_expert_pack import bench_client
     machine = json.loads((out / "machine.json").read_text()) if (out / "machine.json").exists() else {}
     reps = {r["system"]: r for r in bench_client.load_reports(
-        sorted(p for p in out.glob("*.json") if p.name != "machine.json"))}
+        sorted(p for p in out.glob("*.json") if not p.name.startswith("machine")))}
     lines = [f"Machine: {machine.get('cpus')} CPUs; model {machine.get('model_bytes', 0) / 1e9:.2f} GB; RAM cap "
              f"{machine.get('ram_cap_bytes', 0) / 1e9:.2f} GB (cgroup v2 memory.max, page cache included); cache "
              f"{machine.get('cache_slots')} of {machine.get('n_experts')} experts per layer "
@@ -212,19 +212,21 @@ def report(out: Path) -> str:
                      f"{cpu if cpu is not None else float('nan'):.2f} / {ex.get('cpu_sys_s_per_gb_read', float('nan')):.2f} | "
                      f"{ex.get('cgroup', {}).get('stat_file', 0) / 1e9:.2f} GB |")
     c = reps.get("c-ours-odirect")
-    if c and od:
+    if c:
         bpt = _all(c, "ssd_bytes_per_token")
         dec = _all(c, "decode_tok_s")
         delta = c.get("extra", {}).get("pack_delta", {})
-        if bpt and dec and delta.get("read_seconds") is not None:
-            # per decode token: time in reads at the measured bandwidth, and everything else (compute, lookups,
-            # copies); the projection swaps the disk for a PCIe 5 SSD and keeps everything else
+        if bpt and dec and delta.get("read_seconds"):
+            # per decode token: time in reads at the bandwidth the run achieved while reading, and everything else
+            # (compute, lookups, copies, the hook's round trips); the projection swaps the disk for a PCIe 5 SSD
+            # and keeps everything else
+            bw = delta["pack_read_bytes"] / delta["read_seconds"]
             t_tok = 1 / dec
-            t_read = bpt / od
+            t_read = bpt / bw
             t_rest = max(0.0, t_tok - t_read)
             lines += ["", f"Projection from (c): {bpt / 1e6:.0f} MB read per decode token; {t_tok * 1e3:.0f} ms per "
-                      f"token here, of which ~{t_read * 1e3:.0f} ms reading at {od / 1e9:.2f} GB/s and "
-                      f"~{t_rest * 1e3:.0f} ms the rest."]
+                      f"token here, of which ~{t_read * 1e3:.0f} ms reading at the {bw / 1e9:.2f} GB/s achieved while "
+                      f"reading and ~{t_rest * 1e3:.0f} ms the rest."]
             for gbs in (12, 14):
                 lines.append(f"- PCIe 5 SSD at {gbs} GB/s: {1 / (bpt / (gbs * 1e9) + t_rest):.1f} tok/s "
                              f"(read {bpt / (gbs * 1e9) * 1e3:.0f} ms + rest {t_rest * 1e3:.0f} ms per token)")
@@ -352,7 +354,7 @@ def main() -> int:
             print(bench_client.markdown_table([d]), flush=True)
         finally:
             srv.stop()
-    reports = bench_client.load_reports(sorted(p for p in args.out.glob("*.json") if p.name != "machine.json"))
+    reports = bench_client.load_reports(sorted(p for p in args.out.glob("*.json") if not p.name.startswith("machine")))
     (args.out / "table.md").write_text(bench_client.markdown_table(reports, "a-stock-cpu-moe"))
     try:
         bench_client.plot(reports, args.out / "rates.png")
