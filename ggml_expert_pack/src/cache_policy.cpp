@@ -65,6 +65,16 @@ bool hybrid_policy::step(const std::vector<int32_t> & unique, std::vector<access
     return true;
 }
 
+void hybrid_policy::demote(int32_t e) {
+    freq_[e] = 0.0;
+    last_[e] = 0;
+}
+
+void hybrid_policy::promote(int32_t e) {
+    freq_[e] = score(e) + 1.0;
+    last_[e] = now_;
+}
+
 void hybrid_policy::invalidate(int32_t slot) {
     const int32_t e = expert_in_[slot];
     if (e >= 0) {

@@ -28,6 +28,10 @@ public:
 
     // A load failed: the slot holds nothing.
     void invalidate(int32_t slot);
+    // A cached expert is worth little for now (the host-RAM tier: its expert is on the device): the next victim.
+    void demote(int32_t expert);
+    // A cached expert is worth keeping again (the device evicted it): as if used now.
+    void promote(int32_t expert);
     // Forget every cached expert (frequencies too).
     void clear();
 

@@ -70,6 +70,13 @@ config parse_config(const std::string & json_text) {
         else if (key == "verify_pack_sha256")     c.verify_pack_sha256 = get_bool(key, v);
         else if (key == "ram_cache_mib")          c.ram_cache_mib = get_number(key, v, 0);
         else if (key == "trace_path")             c.trace_path = get_string(key, v, false);
+        else if (key == "ram_tier_mode") {
+            c.ram_tier_mode = get_string(key, v, true);
+            if (c.ram_tier_mode != "victim" && c.ram_tier_mode != "inclusive") {
+                throw std::invalid_argument("expert_pack key 'ram_tier_mode' must be \"victim\" or \"inclusive\", got \"" +
+                                            c.ram_tier_mode + "\"");
+            }
+        }
         else {
             throw std::invalid_argument("unknown expert_pack key '" + key + "'");
         }
@@ -89,7 +96,7 @@ std::string config::to_json() const {
         {"cache_vram_reserve_mib", cache_vram_reserve_mib}, {"stage_slots", stage_slots},
         {"read_splits", read_splits}, {"read_threads", read_threads}, {"direct_io", direct_io}, {"stats_path", stats_path},
         {"stats_flush_interval", stats_flush_interval}, {"verify_pack_sha256", verify_pack_sha256},
-        {"ram_cache_mib", ram_cache_mib}, {"trace_path", trace_path},
+        {"ram_cache_mib", ram_cache_mib}, {"trace_path", trace_path}, {"ram_tier_mode", ram_tier_mode},
     }.dump();
 }
 

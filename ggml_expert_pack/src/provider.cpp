@@ -408,6 +408,7 @@ void expert_pack_provider::acquire(expert_pack_layer * L, int32_t round, int32_t
         // the group's blocks); between groups every copy completes, so the next group may evict the previous
         // one's blocks.
         const size_t per_group = (size_t) ram->n_blocks();
+        const bool victim_tier = cfg.ram_tier_mode == "victim";
         std::vector<int32_t> keys;
         for (size_t g = 0; g < miss.size() && !failure; g += per_group) {
             const size_t n = std::min(per_group, miss.size() - g);
@@ -418,11 +419,23 @@ void expert_pack_provider::acquire(expert_pack_layer * L, int32_t round, int32_t
             for (size_t j = g; j < g + n; ++j) {
                 keys.push_back(L->moe_index * man.n_experts + L->plan[miss[j]].expert);
             }
+            if (victim_tier) {
+                // the device just evicted these experts: their blocks (if still here) hold what the device does not
+                for (size_t j = g; j < g + n; ++j) {
+                    const int32_t ev = L->plan[miss[j]].evicted;
+                    if (ev >= 0 && ram->policy().slot_of(L->moe_index * man.n_experts + ev) >= 0) {
+                        ram->policy().promote(L->moe_index * man.n_experts + ev);
+                    }
+                }
+            }
             ram->policy().step(keys, ram_plan);  // cannot fail: n <= blocks, and the keys are distinct
             auto copy_out = [&](size_t j) {
                 const auto & a = L->plan[miss[j]];
                 const auto & r = ram_plan[j - g];
                 ram->copying(r.slot, L->stage, L->stage->store_from(L->arena, a.slot, ram->block(r.slot), lay.block_bytes));
+                if (victim_tier) {
+                    ram->policy().demote(keys[j - g]);  // on the device now: this block is the tier's first to go
+                }
                 if (r.hit) {
                     stats.ram_hits++;
                 } else {
