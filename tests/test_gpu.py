@@ -18,6 +18,17 @@ pytestmark = pytest.mark.gpu
 ARCHS = ["qwen3moe", "deepseek4", "kimi-k3"]
 
 
+def _against_stock(src, with_pack):
+    """The GPU criterion: greedy tokens identical to stock's at the same ubatch; returns (max |delta logit|, the bound
+    stock shows between its own runs at two ubatch sizes)."""
+    ub = with_pack.n_ubatch
+    stock = run(src, None, n_gpu_layers=-1, n_ubatch=ub, prompt_len=64)
+    stock_other = run(src, None, n_gpu_layers=-1, n_ubatch=max(1, ub // 2) if ub > 1 else 2, prompt_len=64)
+    assert with_pack.tokens == stock.tokens
+    return (float(np.abs(stock.logits - with_pack.logits).max()),
+            float(np.abs(stock.logits - stock_other.logits).max()))
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("slots", [4, None], ids=["min", "all-fit"])
 def test_gpu_lossless(packs, arch, slots):
@@ -34,13 +45,9 @@ def test_gpu_lossless(packs, arch, slots):
         p.close()
     assert with_pack.error == 0
     ub = with_pack.n_ubatch
-    stock = run(src, None, n_gpu_layers=-1, n_ubatch=ub, prompt_len=64)
-    stock_other = run(src, None, n_gpu_layers=-1, n_ubatch=max(1, ub // 2) if ub > 1 else 2, prompt_len=64)
-    bound = float(np.abs(stock.logits - stock_other.logits).max())
-    diff = float(np.abs(stock.logits - with_pack.logits).max())
+    diff, bound = _against_stock(src, with_pack)
     print(f"\n{arch} slots={slots or 'all'} ubatch={ub}: max|pack-stock|={diff:.3g}, stock's own bound={bound:.3g}, "
           f"bit-identical={diff == 0.0}, stats={ {k: stats[k] for k in ('cache_hits', 'cache_misses', 'cache_evictions', 'pack_read_bytes', 'h2d_bytes', 'io_errors', 'resident_layers')} }")
-    assert with_pack.tokens == stock.tokens
     assert diff <= bound
     assert stats["io_errors"] == 0 and stats["cache_misses"] > 0
 
@@ -59,14 +66,9 @@ def test_gpu_ram_tier_lossless(packs, read_threads):
     finally:
         p.close()
     assert with_pack.error == 0
-    ub = with_pack.n_ubatch
-    stock = run(src, None, n_gpu_layers=-1, n_ubatch=ub, prompt_len=64)
-    stock_other = run(src, None, n_gpu_layers=-1, n_ubatch=max(1, ub // 2) if ub > 1 else 2, prompt_len=64)
-    bound = float(np.abs(stock.logits - stock_other.logits).max())
-    diff = float(np.abs(stock.logits - with_pack.logits).max())
+    diff, bound = _against_stock(src, with_pack)
     print(f"\nram tier, read_threads={read_threads}: max|pack-stock|={diff:.3g}, stock's own bound={bound:.3g}, "
           f"stats={ {k: stats[k] for k in ('cache_misses', 'ram_hits', 'ram_misses', 'ram_evictions', 'ram_pinned')} }")
-    assert with_pack.tokens == stock.tokens
     assert diff <= bound
     assert stats["io_errors"] == 0 and stats["cache_misses"] == stats["ram_hits"] + stats["ram_misses"]
     assert stats["ram_hits"] > 0 and stats["ram_evictions"] > 0
