@@ -12,6 +12,7 @@ Only the standard library is needed to measure (the GPU machine lacks most packa
 from __future__ import annotations
 
 import json
+import socket
 import time
 import urllib.error
 import urllib.request
@@ -91,10 +92,27 @@ class Report:
     summary: dict = field(default_factory=dict)
 
 
-def _post(url: str, body: dict, timeout: float) -> dict:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as r:
-        return json.loads(r.read())
+def free_port() -> int:
+    """A free TCP port on localhost, for a server about to start."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(base: str, proc, timeout_s: float) -> bool:
+    """Poll base/health until it answers 200 (True), or until `proc` (a subprocess.Popen starting the server)
+    exits or `timeout_s` passes (False)."""
+    deadline = time.time() + timeout_s
+    while True:
+        try:
+            with urllib.request.urlopen(base + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return True
+        except OSError:
+            pass
+        if proc.poll() is not None or time.time() > deadline:
+            return False
+        time.sleep(0.2)
 
 
 def pack_counters(base: str) -> dict | None:

@@ -29,16 +29,16 @@ import ctypes
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from dataclasses import asdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_decode import drop_caches, odirect_bandwidth  # noqa: E402
+
+from ggml_expert_pack import bench_client  # noqa: E402
 
 CGROUP = Path("/sys/fs/cgroup")
 
@@ -111,12 +111,6 @@ def cgroup_figures(cg: Path | None) -> dict:
 
 
 # ---- servers -------------------------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def cpu_seconds(pid: int) -> tuple[float, float]:
     """(user, system) CPU seconds of a process, all its threads."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -126,7 +120,7 @@ def cpu_seconds(pid: int) -> tuple[float, float]:
 
 class Server:
     def __init__(self, cmd: list[str], log: Path, cg: Path | None, timeout_s: float = 600):
-        self.port = free_port()
+        self.port = bench_client.free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         cmd = [c.replace("{port}", str(self.port)) for c in cmd]
         self.log = open(log, "w")
@@ -138,17 +132,9 @@ class Server:
                 (cg / "cgroup.procs").write_text(str(os.getpid()))
         t0 = time.time()
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, preexec_fn=enter_cgroup)
-        while True:
-            try:
-                with urllib.request.urlopen(self.base + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            if self.proc.poll() is not None or time.time() - t0 > timeout_s:
-                self.stop()
-                raise RuntimeError(f"server did not start (exit {self.proc.returncode}); log: {log}")
-            time.sleep(0.5)
+        if not bench_client.wait_healthy(self.base, self.proc, timeout_s):
+            self.stop()
+            raise RuntimeError(f"server did not start (exit {self.proc.returncode}); log: {log}")
         self.load_s = time.time() - t0
 
     def stop(self):
@@ -170,7 +156,6 @@ def _all(rep: dict, key: str) -> float | None:
 def report(out: Path) -> str:
     """Markdown from OUT/*.json: the table with ratios to (a), the ratios the issue asks for, read bandwidth against
     the O_DIRECT bandwidth and the physical bound, O_DIRECT's CPU savings, and a projection to a PCIe 5 SSD."""
-    from ggml_expert_pack import bench_client
     machine = json.loads((out / "machine.json").read_text()) if (out / "machine.json").exists() else {}
     reps = {r["system"]: r for r in bench_client.load_reports(
         sorted(p for p in out.glob("*.json") if not p.name.startswith("machine")))}
@@ -258,7 +243,6 @@ def main() -> int:
         print((args.out / "report.md").read_text())
         return 0
 
-    from ggml_expert_pack import bench_client
     from ggml_expert_pack.lossless import cache_mib_for_slots
     from ggml_expert_pack.packer import build
     from ggml_expert_pack.packer.format import load_manifest

@@ -4,14 +4,13 @@ flags and a wrong pack fail with a clear message."""
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
-import time
 import urllib.error
 import urllib.request
 
 import pytest
 
+from ggml_expert_pack.bench_client import free_port, wait_healthy
 from ggml_expert_pack.lossless import cache_mib_for_slots
 from ggml_expert_pack.tools import tool_path
 
@@ -24,32 +23,18 @@ N_CTX = 256
 PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 class LlamaServer:
     def __init__(self, args: list[str], log_path):
-        self.port = _free_port()
+        self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.log = open(log_path, "w+")
         cmd = [str(SERVER), "--host", "127.0.0.1", "--port", str(self.port), "-c", str(N_CTX), "-t", "2",
                "-np", "1", "--no-webui", *args]
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.time() + 120
-        while True:
-            try:
-                with urllib.request.urlopen(self.base + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                pass
-            if self.proc.poll() is not None or time.time() > deadline:
-                self.stop()
-                pytest.fail(f"llama-server did not start:\n{self.output()}")
-            time.sleep(0.2)
+        if not wait_healthy(self.base, self.proc, 120):
+            self.stop()
+            pytest.fail(f"llama-server did not start:\n{self.output()}")
 
     def output(self) -> str:
         self.log.seek(0)
@@ -119,7 +104,7 @@ def test_llama_server_refuses_a_bad_pack(packs, tmp_path):
         (["-m", str(pack / "trunk.gguf")], "expert-pack trunk"),
         (["-m", str(src), "--expert-pack", str(pack), "--expert-direct-io", "maybe"], "expert-direct-io"),
     ]:
-        r = subprocess.run([str(SERVER), "--port", str(_free_port()), "-c", str(N_CTX), *args],
+        r = subprocess.run([str(SERVER), "--port", str(free_port()), "-c", str(N_CTX), *args],
                            capture_output=True, text=True, timeout=120)
         assert r.returncode != 0, args
         assert needle in r.stdout + r.stderr, (args, (r.stdout + r.stderr)[-2000:])

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from ggml_expert_pack.bench_client import free_port, wait_healthy
 from ggml_expert_pack.packer import build
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -22,37 +23,23 @@ ARTIFACTS = ROOT / "test-artifacts"
 N_CTX = 512
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.fixture(scope="module")
 def server(synth_model, tmp_path_factory):
     model = synth_model("qwen3moe")
     pack = tmp_path_factory.mktemp("srv") / "pack"
     build(model, pack, progress=False)
-    port = _free_port()
+    port = free_port()
     log = open(pack.parent / "server.log", "w+")
     cmd = [sys.executable, "-m", "ggml_expert_pack.cli", "serve", "-m", str(pack / "trunk.gguf"),
            "--expert-pack", str(pack), "-c", str(N_CTX), "--port", str(port), "--alias", "tiny-moe", "-t", "2",
            "--stats-file", str(pack.parent / "stats.json"), "--ram-cache-mib", "64"]
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
     base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 120
-    while True:
-        try:
-            with urllib.request.urlopen(base + "/health", timeout=2) as r:
-                if r.status == 200:
-                    break
-        except OSError:
-            pass
-        if proc.poll() is not None or time.time() > deadline:
-            log.seek(0)
-            proc.kill()
-            pytest.fail(f"server did not start:\n{log.read()}")
-        time.sleep(0.2)
+    if not wait_healthy(base, proc, 120):
+        log.seek(0)
+        proc.kill()
+        pytest.fail(f"server did not start:\n{log.read()}")
     yield base
     proc.terminate()
     try:
@@ -370,7 +357,7 @@ def test_bench_client_reference_workload(server, tmp_path):
 
 def test_bench_client_budget_and_dead_server(tmp_path):
     from ggml_expert_pack.bench_client import run
-    rep = run(f"http://127.0.0.1:{_free_port()}", "dead", n_predict=4, budget_s=5, log=lambda m: None)
+    rep = run(f"http://127.0.0.1:{free_port()}", "dead", n_predict=4, budget_s=5, log=lambda m: None)
     assert rep.completed == 0 and all(r.error for r in rep.results) and rep.summary == {}
     rep = run("http://127.0.0.1:9", "none", budget_s=0, log=lambda m: None)
     assert rep.skipped == 10 and not rep.results

@@ -80,7 +80,7 @@ struct expert_pack_layer {
     staging * stage = nullptr;        // the staging buffers of the layer's device
     bool resident = false;            // every expert preloaded into slot == expert: no per-step work at all
     std::unique_ptr<hybrid_policy> policy;
-    int32_t zero_slot = -1;           // an all-zero slot after the policy's slots: a round's other pairs read it
+    int32_t zero_slot = -1;           // an all-zero slot after the policy's slots: what a round's other pairs read (CPU)
     std::vector<hybrid_policy::access> plan;  // scratch
     std::vector<int32_t> step_order;  // the step's distinct experts, cached ones first (round 0 fills it)
     std::map<std::pair<int32_t, int32_t>, std::unique_ptr<expert_pack_round>> rounds;
@@ -291,7 +291,7 @@ void expert_pack_provider::acquire(expert_pack_layer * L, int32_t round, int32_t
     // On failure every pair points at a valid slot, distinct within its token (the GPU's mul_mat_id assumes a
     // token's k ids are distinct; duplicates made it index out of bounds): the step is reported failed and its
     // outputs are unused.
-    auto fill_zero = [&] {
+    auto fill_failed = [&] {
         for (int64_t t = 0; t < n_tokens; ++t) {
             for (int64_t j = 0; j < k; ++j) {
                 out[t * k + j] = (int32_t) j;  // k <= slots: attach refuses a cache below one token's experts
@@ -300,7 +300,7 @@ void expert_pack_provider::acquire(expert_pack_layer * L, int32_t round, int32_t
     };
     if (step_failed || !L->policy) {
         if (!L->policy) fail_step("expert pack is not attached to a model");
-        fill_zero();
+        fill_failed();
         return;
     }
 
@@ -316,7 +316,7 @@ void expert_pack_provider::acquire(expert_pack_layer * L, int32_t round, int32_t
                 if (e < 0 || e >= man.n_experts) {
                     fail_step("layer " + std::to_string(lay.layer) + ": router chose expert " + std::to_string(e) +
                               ", the pack has " + std::to_string(man.n_experts));
-                    fill_zero();
+                    fill_failed();
                     return;
                 }
                 if (!seen[e]) {
@@ -342,7 +342,7 @@ void expert_pack_provider::acquire(expert_pack_layer * L, int32_t round, int32_t
     if (!L->policy->step(unique, L->plan)) {
         fail_step("layer " + std::to_string(lay.layer) + ": this step needs " + std::to_string(unique.size()) +
                   " distinct experts, the cache holds " + std::to_string(L->policy->n_slots()) + " per layer");
-        fill_zero();
+        fill_failed();
         return;
     }
 
@@ -488,7 +488,7 @@ void expert_pack_provider::acquire(expert_pack_layer * L, int32_t round, int32_t
         } catch (...) {
         }
         fail_step(msg);
-        fill_zero();
+        fill_failed();
         return;
     }
     const auto t_wait = clk::now();
