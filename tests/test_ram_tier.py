@@ -268,3 +268,86 @@ def test_ram_tier_mode_is_validated(packs):
     _, pack = packs("qwen3moe")
     with pytest.raises(ValueError, match="ram_tier_mode"):
         normalize_config(pack, ram_tier_mode="lru")
+
+
+# ---- next-layer prefetch (prefetch) ---------------------------------------------------------------------------
+
+def _prefetch_counters_hold(c):
+    # every prefetch read queued is used, wasted, dropped before it started, or still waiting for its use
+    assert c["prefetch_used"] + c["prefetch_wasted"] + c["prefetch_cancelled"] <= c["prefetch_issued"]
+    assert c["predicted_correct"] <= c["predicted"]
+    assert c["cache_misses"] == c["ram_hits"] + c["ram_misses"]
+    assert c["prefetch_used"] <= c["ram_hits"]  # a used prefetch is a RAM hit
+
+
+@pytest.mark.parametrize("arch", ["qwen3moe", "deepseek4"])
+@pytest.mark.parametrize("ram_blocks, read_threads", [(12, 1), (24, 4)], ids=["small-tier", "evicting-4-threads"])
+def test_lossless_with_prefetch(packs, stock, arch, ram_blocks, read_threads):
+    """Prefetch only adds RAM-tier reads: the logits stay bit-identical to stock, and the predictions are scored."""
+    src, pack = packs(arch)
+    p = _provider(pack, K, ram_blocks, prefetch=True, read_threads=read_threads)
+    try:
+        got = run(src, p, n_ubatch=256, n_decode=48)
+        c = p.counters()
+    finally:
+        p.close()
+    ref = run(src, None, n_ubatch=256, n_decode=48)
+    assert got.error == 0 and got.tokens == ref.tokens
+    assert np.array_equal(got.logits, ref.logits), f"max |diff| {np.abs(got.logits - ref.logits).max()}"
+    assert c["io_errors"] == 0
+    # every decode step predicts each MoE layer after the first from the one before it
+    assert c["predicted"] > 0 and c["prefetch_issued"] > 0
+    _prefetch_counters_hold(c)
+
+
+def test_prefetch_serves_misses_from_the_ram_tier(packs):
+    """On a model whose consecutive layers route alike (the realistic preset), some prefetched experts are then
+    needed: their misses become RAM hits, and prediction accuracy is reported."""
+    src, pack = packs("qwen3moe")
+    p = _provider(pack, K, 24, prefetch=True)
+    try:
+        run(src, p, n_ubatch=256, n_decode=64)
+        c = p.counters()
+        s = p.stats()
+    finally:
+        p.close()
+    _prefetch_counters_hold(c)
+    assert c["predicted_correct"] > 0 and c["prefetch_used"] > 0
+    assert s["prediction_accuracy"] == pytest.approx(c["predicted_correct"] / c["predicted"], abs=1e-6)
+    for k in ("prefetch_issued", "prefetch_used", "prefetch_wasted", "prefetch_cancelled"):
+        assert s[k] == c[k]
+
+
+def test_eio_during_prefetch_fails_only_the_request_then_recovers(packs):
+    src, pack = packs("qwen3moe")
+    prompt = [(i * 7919) % 1000 + 100 for i in range(8)]
+    ref = Session(src, n_gpu_layers=0)
+    want, rc = ref.generate(prompt, 24)
+    ref.close()
+    p = _provider(pack, K, 12, prefetch=True)
+    s = Session(pack / TRUNK_FILE, p, n_gpu_layers=0)
+    try:
+        got, rc = s.generate(prompt, 6)
+        assert rc == 0 and got == want[:6]
+        p.inject_eio(2)  # prefetch and demand reads fail alike from here
+        while rc == 0 and len(got) < 24:
+            got.append(int(np.argmax(s.logits())))
+            rc = s.decode([got[-1]])
+        assert rc != 0 and len(got) < 24          # a demand read failed: the step fails, nothing is made up
+        assert got == want[:len(got)]
+        assert p.counters()["io_errors"] >= 1 and "Input/output error" in p.last_error
+        p.inject_eio(-1)
+        s.reset()
+        again, rc = s.generate(prompt, 24)
+        assert rc == 0 and again == want          # a failed prefetch left no block that is then trusted
+    finally:
+        s.close()
+        p.close()
+
+
+def test_prefetch_needs_the_ram_tier(packs):
+    _, pack = packs("qwen3moe")
+    with pytest.raises(ValueError, match="'prefetch' needs the host-RAM tier"):
+        normalize_config(pack, prefetch=True)
+    with pytest.raises(ValueError, match="'prefetch' must be true or false"):
+        normalize_config(pack, prefetch=1, ram_cache_mib=8)

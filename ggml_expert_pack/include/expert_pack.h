@@ -30,7 +30,8 @@ EXPERT_PACK_API const char * expert_pack_version(void);
 // ---- configuration and lifetime --------------------------------------------------------------------------
 // The configuration is a JSON object with the keys of docs/ARCHITECTURE.md ("pack_path", "manifest_path",
 // "cache_vram_mib", "cache_vram_reserve_mib", "stage_slots", "read_splits", "read_threads", "direct_io",
-// "stats_path", "stats_flush_interval", "verify_pack_sha256", "ram_cache_mib", "trace_path"). Unknown keys and bad values
+// "stats_path", "stats_flush_interval", "verify_pack_sha256", "ram_cache_mib", "trace_path", "ram_tier_mode",
+// "prefetch"). Unknown keys and bad values
 // are errors naming the key.
 
 // 0 if `config_json` is a valid configuration; otherwise -1 and a one-line message in err.
@@ -63,6 +64,14 @@ typedef struct expert_pack_stats {
     uint64_t ram_evictions;    // RAM blocks replaced by a miss
     uint64_t ram_blocks;       // the tier's size in blocks (0: off), and in bytes (not reset by reset_stats)
     uint64_t ram_bytes;
+    // next-layer prefetch (prefetch): reads of predicted experts into the RAM tier while the device computes.
+    // Their bytes are in pack_read_bytes; a used one turns a later cache miss into a RAM hit.
+    uint64_t prefetch_issued;     // prefetch reads queued
+    uint64_t prefetch_used;       // prefetched blocks a cache miss then took from the RAM tier
+    uint64_t prefetch_wasted;     // prefetched blocks read but dropped before any use
+    uint64_t prefetch_cancelled;  // prefetch reads dropped before they started (not needed by the next step)
+    uint64_t predicted;           // experts predicted for a layer (distinct per step)
+    uint64_t predicted_correct;   // of those, the ones that layer's next step selected (accuracy = correct / predicted)
 } expert_pack_stats;
 
 EXPERT_PACK_API void expert_pack_get_stats(const expert_pack_provider * p, expert_pack_stats * out);
@@ -122,6 +131,19 @@ EXPERT_PACK_API void expert_pack_acquire(struct ggml_tensor * dst, int ith, int 
 // same userdata): 1 for the (token, pair)s the round serves, 0 for the others, whose expert input the graph multiplies
 // by 0 -- they read another slot of the cache (a token's slot ids must stay distinct on the GPU) and add exact zeros.
 EXPERT_PACK_API void expert_pack_round_mask(struct ggml_tensor * dst, int ith, int nth, void * userdata);
+// Next-layer prefetch (config key prefetch, with a RAM tier). After attaching, the model hands over each MoE
+// layer's router: gate_inp [n_embd, n_expert], and where the arch has them the logit bias and the selection bias
+// (NULLs otherwise). At layer il the graph may then predict layer il + 1: when this returns that layer (else NULL),
+// it multiplies the next router with layer il's router input, takes the top-k and passes them (I32 [k, n_tokens])
+// to expert_pack_prefetch, an op that queues background reads into the RAM tier and returns at once.
+EXPERT_PACK_API void expert_pack_set_router(expert_pack_provider * p, int il, struct ggml_tensor * gate_inp,
+                                            struct ggml_tensor * gate_inp_b, struct ggml_tensor * exp_probs_b);
+EXPERT_PACK_API expert_pack_layer * expert_pack_layer_prefetch_target(expert_pack_layer * l, struct ggml_tensor ** gate_inp,
+                                                                     struct ggml_tensor ** gate_inp_b,
+                                                                     struct ggml_tensor ** exp_probs_b);
+// The graph op (ggml_custom_4d, userdata = the layer from expert_pack_layer_prefetch_target): src[0] the predicted
+// expert ids; any further src only orders it (after the current layer's acquire op: demand misses first).
+EXPERT_PACK_API void expert_pack_prefetch(struct ggml_tensor * dst, int ith, int nth, void * userdata);
 // Non-zero if a step failed since the last call (which clears the flag); the message is expert_pack_last_error.
 EXPERT_PACK_API int expert_pack_take_step_error(expert_pack_provider * p);
 

@@ -12,7 +12,7 @@ double hybrid_policy::score(int32_t e) const {
     return freq_[e] * std::exp2(-double(now_ - last_[e]) / half_life_);
 }
 
-bool hybrid_policy::step(const std::vector<int32_t> & unique, std::vector<access> & out) {
+bool hybrid_policy::step(const std::vector<int32_t> & unique, std::vector<access> & out, bool use) {
     if (unique.size() > expert_in_.size()) {
         return false;
     }
@@ -21,8 +21,10 @@ bool hybrid_policy::step(const std::vector<int32_t> & unique, std::vector<access
     out.reserve(unique.size());
     // hits first: every slot this step needs is pinned before any victim is chosen
     for (int32_t e : unique) {
-        freq_[e] = score(e) + 1.0;
-        last_[e] = now_;
+        if (use) {
+            freq_[e] = score(e) + 1.0;
+            last_[e] = now_;
+        }
         const int32_t s = slot_of_[e];
         if (s >= 0) {
             pinned_[s] = now_;

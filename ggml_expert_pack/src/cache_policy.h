@@ -23,8 +23,10 @@ public:
     };
 
     // One step: `unique` are the distinct experts the step needs. Fills `out` (same order) and returns true;
-    // returns false, changing nothing, if they are more than the slots.
-    bool step(const std::vector<int32_t> & unique, std::vector<access> & out);
+    // returns false, changing nothing, if they are more than the slots. With use = false (a prefetch: the experts
+    // are only expected) they are placed and pinned for this step but gain no frequency or recency: a guess keeps
+    // the score its expert already had, so a first-time guess is the next victim unless a real step uses it.
+    bool step(const std::vector<int32_t> & unique, std::vector<access> & out, bool use = true);
 
     // A load failed: the slot holds nothing.
     void invalidate(int32_t slot);
@@ -37,6 +39,7 @@ public:
 
     int32_t n_slots() const { return (int32_t) expert_in_.size(); }
     int32_t slot_of(int32_t expert) const { return slot_of_[expert]; }
+    int32_t expert_in(int32_t slot) const { return expert_in_[slot]; }  // -1 if free
 
 private:
     double score(int32_t expert) const;

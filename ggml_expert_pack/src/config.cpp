@@ -70,6 +70,7 @@ config parse_config(const std::string & json_text) {
         else if (key == "verify_pack_sha256")     c.verify_pack_sha256 = get_bool(key, v);
         else if (key == "ram_cache_mib")          c.ram_cache_mib = get_number(key, v, 0);
         else if (key == "trace_path")             c.trace_path = get_string(key, v, false);
+        else if (key == "prefetch")               c.prefetch = get_bool(key, v);
         else if (key == "ram_tier_mode") {
             c.ram_tier_mode = get_string(key, v, true);
             if (c.ram_tier_mode != "victim" && c.ram_tier_mode != "inclusive") {
@@ -80,6 +81,10 @@ config parse_config(const std::string & json_text) {
         else {
             throw std::invalid_argument("unknown expert_pack key '" + key + "'");
         }
+    }
+    if (c.prefetch && c.ram_cache_mib <= 0) {
+        throw std::invalid_argument("expert_pack key 'prefetch' needs the host-RAM tier: prefetched experts land in its "
+                                    "blocks (set ram_cache_mib)");
     }
     if (c.pack_path.empty()) {
         throw std::invalid_argument("expert_pack key 'pack_path' is required");
@@ -97,6 +102,7 @@ std::string config::to_json() const {
         {"read_splits", read_splits}, {"read_threads", read_threads}, {"direct_io", direct_io}, {"stats_path", stats_path},
         {"stats_flush_interval", stats_flush_interval}, {"verify_pack_sha256", verify_pack_sha256},
         {"ram_cache_mib", ram_cache_mib}, {"trace_path", trace_path}, {"ram_tier_mode", ram_tier_mode},
+        {"prefetch", prefetch},
     }.dump();
 }
 

@@ -23,6 +23,8 @@ struct config {
     std::string trace_path;                     // append the router's expert ids per step and layer; "" = off
     std::string ram_tier_mode = "victim";       // victim: a block whose expert is on the device goes first and comes
                                                 // back to the front when the device evicts it; or inclusive
+    bool        prefetch              = false;  // read the next layer's predicted experts into the RAM tier while
+                                                // the device computes (needs ram_cache_mib; read_threads threads)
 
     std::string to_json() const;
 };

@@ -7,6 +7,7 @@
 #include "config.h"
 #include "io_engine.h"
 #include "manifest.h"
+#include "prefetch.h"
 #include "ram_tier.h"
 #include "read_pool.h"
 #include "staging.h"
@@ -83,6 +84,11 @@ struct expert_pack_layer {
     int32_t zero_slot = -1;           // an all-zero slot after the policy's slots: what a round's other pairs read (CPU)
     std::vector<hybrid_policy::access> plan;  // scratch
     std::vector<int32_t> step_order;  // the step's distinct experts, cached ones first (round 0 fills it)
+    // next-layer prefetch: the pack layer that follows this one in the model (il + 1), this layer's router as the
+    // model holds it (for the previous layer to predict this one with), and the prediction made for its next step
+    expert_pack_layer * next = nullptr;
+    ggml_tensor * router = nullptr, * router_b = nullptr, * probs_b = nullptr;
+    std::vector<int32_t> predicted;
     std::map<std::pair<int32_t, int32_t>, std::unique_ptr<expert_pack_round>> rounds;
 };
 
@@ -95,6 +101,8 @@ struct expert_pack_provider {
     std::vector<std::unique_ptr<staging>> stages;  // one set per device that holds arenas
     std::unique_ptr<ram_tier> ram;                 // the host-RAM tier (ram_cache_mib > 0), all layers
     std::vector<hybrid_policy::access> ram_plan;   // scratch
+    std::unique_ptr<prefetcher> pf;                // prefetch: background reads into RAM-tier blocks
+    std::vector<char> pf_unused;                   // per RAM block: holds (or is reading) a prefetch not yet used
     FILE * trace = nullptr;                        // trace_path: the routing trace being recorded
     bool trace_header = false;                     // its header is written at the first attach
     uint64_t trace_step = 0;                       // steps seen, for the trace (reset_stats does not touch it)
@@ -132,9 +140,13 @@ struct expert_pack_provider {
     }
 
     void detach() {
+        pf.reset();   // before the RAM tier: its reads write into the tier's blocks
+        pf_unused.clear();
         for (auto & [_, l] : layers) {
             free_arena(l->arena);
             l->policy.reset();
+            l->router = l->router_b = l->probs_b = nullptr;  // the model's tensors go with the model
+            l->predicted.clear();
             l->stage = nullptr;
             l->resident = false;
             l->zero_slot = -1;
@@ -192,6 +204,9 @@ struct expert_pack_provider {
     void preload(expert_pack_layer * L);
     void read_block(const layer_layout & lay, int32_t expert, uint8_t * dst);
     void record_trace(const layer_layout & lay, const ggml_tensor * ids);
+    void prefetch(expert_pack_layer * N, const ggml_tensor * pred);
+    void settle_prefetches(const expert_pack_layer * L, const std::vector<int32_t> & missing);
+    void reclaim_block(int32_t b);
 };
 
 using clk = std::chrono::steady_clock;
@@ -260,6 +275,102 @@ void expert_pack_provider::record_trace(const layer_layout & lay, const ggml_ten
     }
 }
 
+// ---- next-layer prefetch ------------------------------------------------------------------------------------
+// At layer L the graph applies layer N = L + 1's router to L's router input and hands the top-k here, after L's
+// acquire has loaded what L needs (demand first). The predicted experts that are neither on N's device nor in the
+// RAM tier get RAM blocks and background reads, which run while the device computes L's experts and N's attention.
+// A guess only ever takes RAM-tier blocks (never a device slot, never a block the current step still copies from),
+// gains no frequency in the tier (a wrong guess is the tier's next victim), and at N's acquire the reads N does not
+// need are dropped before N reads anything itself. Output is never affected: a used prefetch is just a RAM hit.
+void expert_pack_provider::prefetch(expert_pack_layer * N, const ggml_tensor * pred) {
+    if (!pf || step_failed || !N->policy || N->resident) {
+        return;
+    }
+    const int64_t k = pred->ne[0];
+    const int64_t n_tokens = pred->ne[1];
+    std::vector<char> seen(man.n_experts, 0);
+    N->predicted.clear();
+    for (int64_t t = 0; t < n_tokens; ++t) {
+        const int32_t * row = (const int32_t *) ((const char *) pred->data + t * pred->nb[1]);
+        for (int64_t j = 0; j < k; ++j) {
+            const int32_t e = row[j];
+            if (e >= 0 && e < man.n_experts && !seen[e]) {  // (a prediction is never trusted blindly)
+                seen[e] = 1;
+                N->predicted.push_back(e);
+            }
+        }
+    }
+    // at most half the tier per prediction, so a wide batch's guesses cannot flush it
+    const size_t cap = (size_t) std::max(1, ram->n_blocks() / 2);
+    std::vector<int32_t> keys;
+    for (int32_t e : N->predicted) {
+        const int32_t key = N->moe_index * man.n_experts + e;
+        if (N->policy->slot_of(e) < 0 && ram->policy().slot_of(key) < 0 && keys.size() < cap) {
+            keys.push_back(key);
+        }
+    }
+    if (keys.empty()) {
+        return;
+    }
+    ram->policy().step(keys, ram_plan, /*use=*/false);  // cannot fail: keys are distinct and fewer than the blocks
+    const layer_layout & lay = *N->layout;
+    for (size_t j = 0; j < keys.size(); ++j) {
+        const int32_t b = ram_plan[j].slot;
+        stats.ram_evictions += ram_plan[j].evicted >= 0;
+        reclaim_block(b);
+        ram->wait_copy(b);
+        pf_unused[b] = 1;
+        stats.prefetch_issued++;
+        const int32_t e = keys[j] % man.n_experts;
+        uint8_t * dst = ram->block(b);
+        pf->submit(b, [this, &lay, e, dst] { read_block(lay, e, dst); });
+    }
+}
+
+// Before block b gets other content: a prefetch read still writing into it is dropped or waited for, and a
+// prefetched block that was never used counts as wasted.
+void expert_pack_provider::reclaim_block(int32_t b) {
+    if (!pf) {
+        return;
+    }
+    if (pf->pending(b) && !pf->cancel(b)) {
+        (void) pf->wait(b);  // running: its content is discarded whatever the outcome
+    } else if (pf_unused[b]) {
+        // dropped before it started (cancel succeeded) or already collected: nothing more to wait for
+    }
+    if (pf_unused[b]) {
+        stats.prefetch_wasted++;
+        pf_unused[b] = 0;
+    }
+}
+
+// At layer L's acquire, before it reads anything: the queued prefetches L does not need are dropped (demand
+// first), the ones it needs are waited for (a queued one is read now), so every RAM-tier block L may take as a hit
+// holds a complete, verified expert. A failed prefetch read leaves its block empty: L reads that expert itself.
+void expert_pack_provider::settle_prefetches(const expert_pack_layer * L, const std::vector<int32_t> & missing) {
+    std::vector<char> need(man.n_experts, 0);
+    for (int32_t e : missing) {
+        need[e] = 1;
+    }
+    for (int32_t b : pf->pending_blocks()) {
+        const int32_t key = ram->policy().expert_in(b);
+        const bool needed = key >= 0 && key / man.n_experts == L->moe_index && need[key % man.n_experts];
+        if (!needed) {
+            if (pf->cancel(b)) {
+                ram->policy().invalidate(b);
+                pf_unused[b] = 0;
+                stats.prefetch_cancelled++;
+            }
+            continue;  // a running read nobody needs now: reclaim_block waits for it before the block is reused
+        }
+        if (pf->wait(b)) {
+            ram->policy().invalidate(b);
+            pf_unused[b] = 0;
+            stats.io_errors++;
+        }
+    }
+}
+
 void expert_pack_provider::acquire(expert_pack_layer * L, int32_t round, int32_t n_rounds, ggml_tensor * dst,
                                    std::vector<float> * mask) {
     const auto t_start = clk::now();
@@ -324,6 +435,16 @@ void expert_pack_provider::acquire(expert_pack_layer * L, int32_t round, int32_t
                     (L->policy->slot_of(e) >= 0 ? cached : missing).push_back(e);
                 }
             }
+        }
+        if (!L->predicted.empty()) {  // how good was the prediction made for this step at the previous layer
+            stats.predicted += L->predicted.size();
+            for (int32_t e : L->predicted) {
+                stats.predicted_correct += seen[e] != 0;
+            }
+            L->predicted.clear();
+        }
+        if (pf) {
+            settle_prefetches(L, missing);
         }
         L->step_order = std::move(cached);
         L->step_order.insert(L->step_order.end(), missing.begin(), missing.end());
@@ -433,6 +554,10 @@ void expert_pack_provider::acquire(expert_pack_layer * L, int32_t round, int32_t
                 const auto & a = L->plan[miss[j]];
                 const auto & r = ram_plan[j - g];
                 ram->copying(r.slot, L->stage, L->stage->store_from(L->arena, a.slot, ram->block(r.slot), lay.block_bytes));
+                if (r.hit && pf && pf_unused[r.slot]) {
+                    stats.prefetch_used++;
+                    pf_unused[r.slot] = 0;
+                }
                 if (victim_tier) {
                     ram->policy().demote(keys[j - g]);  // on the device now: this block is the tier's first to go
                 }
@@ -452,6 +577,7 @@ void expert_pack_provider::acquire(expert_pack_layer * L, int32_t round, int32_t
                         if (r.hit) {
                             copy_out(next++);
                         } else {
+                            reclaim_block(r.slot);   // nor one a prefetch read may still write
                             ram->wait_copy(r.slot);  // never overwrite a block whose copy may be in flight
                             submit_read(next++, ram->block(r.slot));
                         }
@@ -602,6 +728,10 @@ extern "C" expert_pack_provider * expert_pack_open(const char * config_json, cha
                 p->by_tensor[l.roles[r].tensor] = {L.get(), r};
             }
             p->layers[l.layer] = std::move(L);
+        }
+        for (auto & [il, L] : p->layers) {
+            auto it = p->layers.find(il + 1);
+            L->next = it == p->layers.end() ? nullptr : it->second.get();
         }
         if (!p->cfg.trace_path.empty()) {  // a path we cannot write is a start-up error, not a silent no-trace
             p->trace = fopen(p->cfg.trace_path.c_str(), "wb");
@@ -872,6 +1002,10 @@ extern "C" int expert_pack_attach(expert_pack_provider * p, int n_layer, ggml_ba
             p->ram = std::make_unique<ram_tier>(pin_dev, (int32_t) blocks, stride, (int32_t) n_keys);
             p->stats.ram_blocks = (uint64_t) blocks;
             p->stats.ram_bytes = p->ram->bytes();
+            if (p->cfg.prefetch) {
+                p->pf = std::make_unique<prefetcher>(p->cfg.read_threads);
+                p->pf_unused.assign((size_t) blocks, 0);
+            }
         }
         if (p->trace && !p->trace_header) {
             // "EPTRACE1", u32 version, u32 n_layers, u32 n_experts, u32 k (docs/FORMAT.md)
@@ -966,6 +1100,38 @@ extern "C" void expert_pack_round_mask(ggml_tensor * dst, int ith, int nth, void
     for (size_t i = 0; i < n; ++i) {
         out[i] = i < r->mask.size() ? r->mask[i] : 0.0f;  // a failed round serves nothing
     }
+}
+
+extern "C" void expert_pack_set_router(expert_pack_provider * p, int il, ggml_tensor * gate_inp, ggml_tensor * gate_inp_b,
+                                       ggml_tensor * exp_probs_b) {
+    auto it = p->layers.find(il);
+    if (it == p->layers.end()) {
+        return;
+    }
+    it->second->router = gate_inp;
+    it->second->router_b = gate_inp_b;
+    it->second->probs_b = exp_probs_b;
+}
+
+extern "C" expert_pack_layer * expert_pack_layer_prefetch_target(expert_pack_layer * l, ggml_tensor ** gate_inp,
+                                                                ggml_tensor ** gate_inp_b, ggml_tensor ** exp_probs_b) {
+    expert_pack_layer * n = l->next;
+    if (!l->owner->pf || !n || !n->policy || n->resident || !n->router) {
+        return nullptr;
+    }
+    *gate_inp = n->router;
+    *gate_inp_b = n->router_b;
+    *exp_probs_b = n->probs_b;
+    return n;
+}
+
+extern "C" void expert_pack_prefetch(ggml_tensor * dst, int ith, int nth, void * userdata) {
+    (void) nth;
+    if (ith != 0) {
+        return;
+    }
+    auto * n = (expert_pack_layer *) userdata;
+    n->owner->prefetch(n, dst->src[0]);
 }
 
 extern "C" void expert_pack_test_distinct_round_slots(expert_pack_provider * p, int on) {

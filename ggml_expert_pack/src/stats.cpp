@@ -20,12 +20,19 @@ expert_pack_stats counters::snapshot() const {
     s.ram_evictions = ram_evictions.load();
     s.ram_blocks = ram_blocks.load();
     s.ram_bytes = ram_bytes.load();
+    s.prefetch_issued = prefetch_issued.load();
+    s.prefetch_used = prefetch_used.load();
+    s.prefetch_wasted = prefetch_wasted.load();
+    s.prefetch_cancelled = prefetch_cancelled.load();
+    s.predicted = predicted.load();
+    s.predicted_correct = predicted_correct.load();
     return s;
 }
 
 void counters::reset() {
     cache_hits = cache_misses = cache_evictions = pack_read_bytes = h2d_bytes = fallback_count = io_errors = steps = 0;
     ram_hits = ram_misses = ram_evictions = 0;
+    prefetch_issued = prefetch_used = prefetch_wasted = prefetch_cancelled = predicted = predicted_correct = 0;
     acquire_ns = read_ns = copy_wait_ns = 0;
 }
 
@@ -48,6 +55,14 @@ std::string stats_json(const expert_pack_stats & s, const counters & c, const st
              (unsigned long long) s.ram_hits, (unsigned long long) s.ram_misses, (unsigned long long) s.ram_evictions,
              (unsigned long long) s.ram_blocks, (unsigned long long) s.ram_bytes,
              ram_keys ? (double) s.ram_hits / (double) ram_keys : 0.0);
+    out += buf;
+    snprintf(buf, sizeof(buf),
+             ",\"prefetch_issued\":%llu,\"prefetch_used\":%llu,\"prefetch_wasted\":%llu,\"prefetch_cancelled\":%llu,"
+             "\"predicted\":%llu,\"predicted_correct\":%llu,\"prediction_accuracy\":%.6f",
+             (unsigned long long) s.prefetch_issued, (unsigned long long) s.prefetch_used,
+             (unsigned long long) s.prefetch_wasted, (unsigned long long) s.prefetch_cancelled,
+             (unsigned long long) s.predicted, (unsigned long long) s.predicted_correct,
+             s.predicted ? (double) s.predicted_correct / (double) s.predicted : 0.0);
     out += buf;
     snprintf(buf, sizeof(buf), ",\"acquire_ms\":%.3f,\"read_ms\":%.3f,\"copy_wait_ms\":%.3f",
              c.acquire_ns.load() / 1e6, c.read_ns.load() / 1e6, c.copy_wait_ns.load() / 1e6);

@@ -22,6 +22,12 @@ struct counters {
     std::atomic<uint64_t> ram_evictions{0};
     std::atomic<uint64_t> ram_blocks{0};    // geometry, not a counter: reset() keeps it
     std::atomic<uint64_t> ram_bytes{0};
+    std::atomic<uint64_t> prefetch_issued{0};
+    std::atomic<uint64_t> prefetch_used{0};
+    std::atomic<uint64_t> prefetch_wasted{0};
+    std::atomic<uint64_t> prefetch_cancelled{0};
+    std::atomic<uint64_t> predicted{0};
+    std::atomic<uint64_t> predicted_correct{0};
     // where acquire time goes (the step profile of docs/BENCHMARKS.md)
     std::atomic<uint64_t> acquire_ns{0};    // inside the graph op, all of it
     std::atomic<uint64_t> read_ns{0};       // inside pack reads

@@ -1,0 +1,121 @@
+#include "prefetch.h"
+
+#include <algorithm>
+
+namespace expert_pack {
+
+prefetcher::prefetcher(int n_threads) {
+    for (int i = 0; i < std::max(1, n_threads); ++i) {
+        threads_.emplace_back([this] { worker(); });
+    }
+}
+
+prefetcher::~prefetcher() {
+    {
+        std::lock_guard<std::mutex> lk(mu_);
+        stop_ = true;
+        for (int32_t b : queue_) {
+            jobs_.erase(b);
+        }
+        queue_.clear();
+    }
+    work_cv_.notify_all();
+    for (auto & t : threads_) {
+        t.join();
+    }
+}
+
+void prefetcher::submit(int32_t block, std::function<void()> fn) {
+    {
+        std::lock_guard<std::mutex> lk(mu_);
+        jobs_[block] = job{state::queued, std::move(fn), nullptr};
+        queue_.push_back(block);
+    }
+    work_cv_.notify_one();
+}
+
+bool prefetcher::pending(int32_t block) {
+    std::lock_guard<std::mutex> lk(mu_);
+    return jobs_.count(block) != 0;
+}
+
+bool prefetcher::cancel(int32_t block) {
+    std::lock_guard<std::mutex> lk(mu_);
+    auto it = jobs_.find(block);
+    if (it == jobs_.end() || it->second.st != state::queued) {
+        return false;
+    }
+    jobs_.erase(it);
+    queue_.erase(std::find(queue_.begin(), queue_.end(), block));
+    return true;
+}
+
+std::exception_ptr prefetcher::wait(int32_t block) {
+    std::unique_lock<std::mutex> lk(mu_);
+    auto it = jobs_.find(block);
+    if (it == jobs_.end()) {
+        return nullptr;
+    }
+    if (it->second.st == state::queued) {
+        // needed now: run it here rather than behind the other queued reads
+        queue_.erase(std::find(queue_.begin(), queue_.end(), block));
+        auto fn = std::move(it->second.fn);
+        jobs_.erase(it);
+        lk.unlock();
+        try {
+            fn();
+        } catch (...) {
+            return std::current_exception();
+        }
+        return nullptr;
+    }
+    done_cv_.wait(lk, [&] { return jobs_.at(block).st == state::done; });
+    it = jobs_.find(block);
+    std::exception_ptr err = it->second.err;
+    jobs_.erase(it);
+    return err;
+}
+
+std::vector<int32_t> prefetcher::pending_blocks() {
+    std::lock_guard<std::mutex> lk(mu_);
+    std::vector<int32_t> out;
+    out.reserve(jobs_.size());
+    for (const auto & [b, _] : jobs_) {
+        out.push_back(b);
+    }
+    return out;
+}
+
+void prefetcher::worker() {
+    for (;;) {
+        int32_t block;
+        std::function<void()> fn;
+        {
+            std::unique_lock<std::mutex> lk(mu_);
+            work_cv_.wait(lk, [this] { return stop_ || !queue_.empty(); });
+            if (queue_.empty()) {
+                return;  // stopping
+            }
+            block = queue_.front();
+            queue_.pop_front();
+            job & j = jobs_.at(block);
+            j.st = state::running;
+            fn = std::move(j.fn);
+        }
+        std::exception_ptr err;
+        try {
+            fn();
+        } catch (...) {
+            err = std::current_exception();
+        }
+        {
+            std::lock_guard<std::mutex> lk(mu_);
+            job & j = jobs_.at(block);
+            j.st = state::done;
+            j.err = err;
+        }
+        done_cv_.notify_all();
+    }
+}
+
+}  // namespace expert_pack
