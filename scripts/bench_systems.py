@@ -13,7 +13,9 @@ memory figures, stop it. Systems:
   d       the same with buffered reads (direct_io off)
   e       the fork's own llama-server --expert-pack, cache as (c)
   c-tiny  (c) with a cache of --tiny-cache-frac of the experts (the reference's Kimi-K3 ratio)
-  f       (c) plus a host-RAM tier of --ram-tier-frac of the model (pinned, inside the same RAM cap)
+  f       (c) plus a host-RAM tier of --ram-tier-frac of the model (pinned, inside the same RAM cap; victim mode)
+  f-incl  (f) with the inclusive RAM tier (every expert read goes into it)
+  h       (f) plus next-layer prefetch into the RAM tier (--prefetch on)
   g       (c) with a step's misses read by 4 threads (read_threads), each copy started as its read lands
 "stock" is the fork's llama-server binary without --expert-pack: the patches are inert without a pack (the
 lossless tests show stock-identical logits on that path), so it is the same source and build as (e).
@@ -172,7 +174,9 @@ def report(out: Path) -> str:
     lines += ["", bench_client.markdown_table(list(reps.values()), "a-stock-cpu-moe")]
     pairs = [("c-ours-odirect", "a-stock-cpu-moe"), ("c-ours-odirect", "b-stock-all-gpu"),
              ("c-ours-odirect", "d-ours-buffered"), ("c-ours-odirect", "e-fork-llama-server"),
-             ("f-ours-ram-tier", "c-ours-odirect"), ("g-ours-read-threads-4", "c-ours-odirect")]
+             ("f-ours-ram-tier", "c-ours-odirect"), ("f-ours-ram-tier-inclusive", "c-ours-odirect"),
+             ("h-ours-ram-tier-prefetch", "c-ours-odirect"), ("h-ours-ram-tier-prefetch", "f-ours-ram-tier"),
+             ("g-ours-read-threads-4", "c-ours-odirect")]
     lines += ["| ratio | decode | prefill |", "|---|---|---|"]
     for x, y in pairs:
         if x in reps and y in reps:
@@ -215,7 +219,29 @@ def report(out: Path) -> str:
             for gbs in (12, 14):
                 lines.append(f"- PCIe 5 SSD at {gbs} GB/s: {1 / (bpt / (gbs * 1e9) + t_rest):.1f} tok/s "
                              f"(read {bpt / (gbs * 1e9) * 1e3:.0f} ms + rest {t_rest * 1e3:.0f} ms per token)")
+            lines += overlap_lines(reps, bw, t_rest)
     return "\n".join(lines) + "\n"
+
+
+def overlap_lines(reps: dict, bw: float, t_rest: float) -> list[str]:
+    """Per system of ours: decode step time against max(read time, compute time) of the same step (issue 9). The
+    read time is the step's pack bytes at the bandwidth (c) achieved while reading (the disk's busy time, whoever
+    reads); the compute time is (c)'s time outside reads (nothing here changes it). Serial reads and compute give
+    read + compute; full overlap gives the larger of the two. With prefetch, also its counters."""
+    lines = ["", "| system | ms per decode token | read ms | compute ms | step ÷ max(read, compute) | "
+             "prediction accuracy | prefetches used / wasted / dropped of issued |", "|---|---|---|---|---|---|---|"]
+    for name, rp in reps.items():
+        bpt, dec = _all(rp, "ssd_bytes_per_token"), _all(rp, "decode_tok_s")
+        if not bpt or not dec:
+            continue
+        t_tok, t_read = 1 / dec, bpt / bw
+        d = rp.get("extra", {}).get("pack_delta", {})
+        acc = d["predicted_correct"] / d["predicted"] if d.get("predicted") else None
+        pf = (f"{d.get('prefetch_used', 0):.0f} / {d.get('prefetch_wasted', 0):.0f} / "
+              f"{d.get('prefetch_cancelled', 0):.0f} of {d['prefetch_issued']:.0f}") if d.get("prefetch_issued") else "–"
+        lines.append(f"| {name} | {t_tok * 1e3:.0f} | {t_read * 1e3:.0f} | {t_rest * 1e3:.0f} | "
+                     f"{t_tok / max(t_read, t_rest):.2f} | {f'{acc:.1%}' if acc is not None else '–'} | {pf} |")
+    return lines
 
 
 def main() -> int:
@@ -225,7 +251,7 @@ def main() -> int:
                     help="the original GGUF (generated with --shape if missing)")
     ap.add_argument("--pack", type=Path, default=Path("/tmp/ep-bench/30b-a3b.pack"), help="its pack (built if missing)")
     ap.add_argument("--shape", default="30b-a3b")
-    ap.add_argument("--systems", default="b,c,e,d,c-tiny,f,g,a")
+    ap.add_argument("--systems", default="b,c,e,d,c-tiny,f,f-incl,h,g,a")
     ap.add_argument("--ram-cap", type=float, default=0.20, help="host RAM cap as a fraction of the model file")
     ap.add_argument("--cache-frac", type=float, default=0.14, help="expert cache as a fraction of the experts")
     ap.add_argument("--tiny-cache-frac", type=float, default=0.005)
@@ -290,18 +316,23 @@ def main() -> int:
                *common], args.n_predict),
         "c-tiny": (ours + ["--cache-mib", f"{tiny_mib}"], args.n_predict),
         "f": (ours + ["--cache-mib", f"{cache_mib}", "--ram-cache-mib", f"{ram_tier_mib:.0f}"], args.n_predict),
+        "f-incl": (ours + ["--cache-mib", f"{cache_mib}", "--ram-cache-mib", f"{ram_tier_mib:.0f}",
+                           "--ram-tier-mode", "inclusive"], args.n_predict),
+        "h": (ours + ["--cache-mib", f"{cache_mib}", "--ram-cache-mib", f"{ram_tier_mib:.0f}", "--prefetch", "on"],
+              args.n_predict),
         "g": (ours + ["--cache-mib", f"{cache_mib}", "--read-threads", "4"], args.n_predict),
     }
     names = {"a": "a-stock-cpu-moe", "b": "b-stock-all-gpu", "c": "c-ours-odirect", "d": "d-ours-buffered",
              "e": "e-fork-llama-server", "c-tiny": "c-ours-odirect-tiny-cache", "f": "f-ours-ram-tier",
-             "g": "g-ours-read-threads-4"}
+             "g": "g-ours-read-threads-4", "f-incl": "f-ours-ram-tier-inclusive", "h": "h-ours-ram-tier-prefetch"}
     cg = make_cgroup("expert-pack-bench", cap)
     for key in args.systems.split(","):
         cmd, n_predict = systems[key]
-        if key == "f":
+        need = {"f": "--ram-cache-mib", "f-incl": "--ram-tier-mode", "h": "--prefetch"}.get(key)
+        if need:
             probe = subprocess.run(py + ["serve", "--help"], capture_output=True, text=True)
-            if "--ram-cache-mib" not in probe.stdout:
-                print("system f skipped: this build has no host-RAM tier", flush=True)
+            if need not in probe.stdout:
+                print(f"system {key} skipped: this build has no {need}", flush=True)
                 continue
         name = names[key]
         drop_caches()

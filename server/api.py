@@ -362,7 +362,13 @@ def metrics_text(engine: Engine, pack: dict | None) -> str:
                  "io_errors": "Failed pack reads.", "steps": "Graph steps that used the pack.",
                  "ram_hits": "Cache misses served from the host-RAM tier (no pack read).",
                  "ram_misses": "Cache misses read from the pack (every miss when the RAM tier is off).",
-                 "ram_evictions": "Expert blocks evicted from the host-RAM tier."}
+                 "ram_evictions": "Expert blocks evicted from the host-RAM tier.",
+                 "prefetch_issued": "Next-layer prefetch reads queued.",
+                 "prefetch_used": "Prefetched experts a cache miss then took from the RAM tier.",
+                 "prefetch_wasted": "Prefetched experts dropped before any use.",
+                 "prefetch_cancelled": "Prefetch reads dropped before they started.",
+                 "predicted": "Experts predicted for the next layer.",
+                 "predicted_correct": "Predicted experts that the next layer selected."}
         for k, h in help_.items():
             if k in pack:
                 rows.append((f"expert_pack_{k}_total", "counter", h, pack[k]))

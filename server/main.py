@@ -32,6 +32,12 @@ def add_serve(sub) -> None:
                    help="threads reading a step's missed experts concurrently (default 1)")
     g.add_argument("--direct-io", "--expert-direct-io", dest="direct_io", choices=("on", "off"),
                    help="O_DIRECT pack reads (default on; off = buffered reads, for comparison only)")
+    g.add_argument("--ram-tier-mode", "--expert-ram-tier-mode", dest="ram_tier_mode", choices=("victim", "inclusive"),
+                   help="what the host-RAM tier keeps: victim (default: the experts the cache does not hold) or "
+                        "inclusive (every expert read)")
+    g.add_argument("--prefetch", "--expert-prefetch", dest="prefetch", choices=("on", "off"),
+                   help="predict the next layer's experts with its router and read them into the host-RAM tier "
+                        "while the GPU computes (needs --ram-cache-mib; default off)")
     g.add_argument("--stats-file", "--expert-stats-file", dest="stats_file", metavar="PATH",
                    help="write the expert-pack counters to this JSON file")
     p.add_argument("-c", "--ctx-size", type=int, default=4096, help="context size in tokens (default 4096)")
@@ -52,7 +58,7 @@ def add_serve(sub) -> None:
 def pack_config(args) -> dict | None:
     if not args.expert_pack:
         for flag in ("cache_mib", "cache_reserve_mib", "ram_cache_mib", "stage_slots", "read_splits", "read_threads",
-                     "direct_io", "stats_file"):
+                     "direct_io", "ram_tier_mode", "prefetch", "stats_file"):
             if getattr(args, flag) is not None:
                 raise ValueError(f"--{flag.replace('_', '-')} needs --expert-pack")
         return None
@@ -60,12 +66,15 @@ def pack_config(args) -> dict | None:
     for flag, key in (("cache_mib", "cache_vram_mib"), ("cache_reserve_mib", "cache_vram_reserve_mib"),
                       ("ram_cache_mib", "ram_cache_mib"),
                       ("stage_slots", "stage_slots"), ("read_splits", "read_splits"),
-                      ("read_threads", "read_threads"), ("stats_file", "stats_path")):
+                      ("read_threads", "read_threads"), ("ram_tier_mode", "ram_tier_mode"),
+                      ("stats_file", "stats_path")):
         v = getattr(args, flag)
         if v is not None:
             cfg[key] = v
     if args.direct_io is not None:
         cfg["direct_io"] = args.direct_io == "on"
+    if args.prefetch is not None:
+        cfg["prefetch"] = args.prefetch == "on"
     return cfg
 
 
