@@ -84,3 +84,26 @@ def test_gpu_ram_tier_lossless(packs, read_threads):
         s.close()
         p.close()
     assert attached["ram_pinned"] is True and attached["ram_blocks"] == 24
+
+
+@pytest.mark.parametrize("arch", ["qwen3moe", "deepseek4"])
+def test_gpu_prefetch_lossless(packs, arch):
+    """Next-layer prefetch on a GPU: the next router's product and top-k on the device, the prefetch op on the CPU
+    after the acquire op, background reads into pinned RAM blocks, their copies at the next layer's acquire; same
+    criterion as above, and the prefetches are used."""
+    from ggml_expert_pack.lossless import ram_mib_for_blocks
+    src, pack = packs(arch)
+    p = Provider.open(pack, cache_vram_reserve_mib=0, cache_vram_mib=cache_mib_for_slots(pack, 4),
+                      ram_cache_mib=ram_mib_for_blocks(pack, 24), prefetch=True)
+    try:
+        with_pack = run(pack / "trunk.gguf", p, n_gpu_layers=-1, prompt_len=64)
+        c = p.counters()
+    finally:
+        p.close()
+    assert with_pack.error == 0
+    diff, bound = _against_stock(src, with_pack)
+    print(f"\nprefetch {arch}: max|pack-stock|={diff:.3g}, stock's own bound={bound:.3g}, "
+          f"counters={ {k: c[k] for k in ('cache_misses', 'ram_hits', 'prefetch_issued', 'prefetch_used', 'prefetch_wasted', 'prefetch_cancelled', 'predicted', 'predicted_correct')} }")
+    assert diff <= bound
+    assert c["io_errors"] == 0 and c["cache_misses"] == c["ram_hits"] + c["ram_misses"]
+    assert c["predicted"] > 0 and c["prefetch_issued"] > 0 and c["prefetch_used"] > 0
