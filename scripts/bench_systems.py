@@ -16,6 +16,7 @@ memory figures, stop it. Systems:
   f       (c) plus a host-RAM tier of --ram-tier-frac of the model (pinned, inside the same RAM cap; victim mode)
   f-incl  (f) with the inclusive RAM tier (every expert read goes into it)
   h       (f) plus next-layer prefetch into the RAM tier (--prefetch on)
+  h4      (h) with 4 read threads (demand misses and prefetches)
   g       (c) with a step's misses read by 4 threads (read_threads), each copy started as its read lands
 "stock" is the fork's llama-server binary without --expert-pack: the patches are inert without a pack (the
 lossless tests show stock-identical logits on that path), so it is the same source and build as (e).
@@ -176,6 +177,7 @@ def report(out: Path) -> str:
              ("c-ours-odirect", "d-ours-buffered"), ("c-ours-odirect", "e-fork-llama-server"),
              ("f-ours-ram-tier", "c-ours-odirect"), ("f-ours-ram-tier-inclusive", "c-ours-odirect"),
              ("h-ours-ram-tier-prefetch", "c-ours-odirect"), ("h-ours-ram-tier-prefetch", "f-ours-ram-tier"),
+             ("h4-ours-ram-tier-prefetch-4-threads", "c-ours-odirect"),
              ("g-ours-read-threads-4", "c-ours-odirect")]
     lines += ["| ratio | decode | prefill |", "|---|---|---|"]
     for x, y in pairs:
@@ -251,7 +253,7 @@ def main() -> int:
                     help="the original GGUF (generated with --shape if missing)")
     ap.add_argument("--pack", type=Path, default=Path("/tmp/ep-bench/30b-a3b.pack"), help="its pack (built if missing)")
     ap.add_argument("--shape", default="30b-a3b")
-    ap.add_argument("--systems", default="b,c,e,d,c-tiny,f,f-incl,h,g,a")
+    ap.add_argument("--systems", default="b,c,e,d,c-tiny,f,f-incl,h,h4,g,a")
     ap.add_argument("--ram-cap", type=float, default=0.20, help="host RAM cap as a fraction of the model file")
     ap.add_argument("--cache-frac", type=float, default=0.14, help="expert cache as a fraction of the experts")
     ap.add_argument("--tiny-cache-frac", type=float, default=0.005)
@@ -320,15 +322,18 @@ def main() -> int:
                            "--ram-tier-mode", "inclusive"], args.n_predict),
         "h": (ours + ["--cache-mib", f"{cache_mib}", "--ram-cache-mib", f"{ram_tier_mib:.0f}", "--prefetch", "on"],
               args.n_predict),
+        "h4": (ours + ["--cache-mib", f"{cache_mib}", "--ram-cache-mib", f"{ram_tier_mib:.0f}", "--prefetch", "on",
+                       "--read-threads", "4"], args.n_predict),
         "g": (ours + ["--cache-mib", f"{cache_mib}", "--read-threads", "4"], args.n_predict),
     }
     names = {"a": "a-stock-cpu-moe", "b": "b-stock-all-gpu", "c": "c-ours-odirect", "d": "d-ours-buffered",
              "e": "e-fork-llama-server", "c-tiny": "c-ours-odirect-tiny-cache", "f": "f-ours-ram-tier",
-             "g": "g-ours-read-threads-4", "f-incl": "f-ours-ram-tier-inclusive", "h": "h-ours-ram-tier-prefetch"}
+             "g": "g-ours-read-threads-4", "f-incl": "f-ours-ram-tier-inclusive", "h": "h-ours-ram-tier-prefetch",
+             "h4": "h4-ours-ram-tier-prefetch-4-threads"}
     cg = make_cgroup("expert-pack-bench", cap)
     for key in args.systems.split(","):
         cmd, n_predict = systems[key]
-        need = {"f": "--ram-cache-mib", "f-incl": "--ram-tier-mode", "h": "--prefetch"}.get(key)
+        need = {"f": "--ram-cache-mib", "f-incl": "--ram-tier-mode", "h": "--prefetch", "h4": "--prefetch"}.get(key)
         if need:
             probe = subprocess.run(py + ["serve", "--help"], capture_output=True, text=True)
             if need not in probe.stdout:

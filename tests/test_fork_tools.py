@@ -95,6 +95,32 @@ def test_llama_server_with_pack_answers_like_stock(packs, tmp_path, arch):
     assert m["expert_pack_io_errors_total"] == 0 and 0 <= m["expert_pack_hit_ratio"] <= 1
 
 
+def test_llama_server_with_prefetch_answers_like_stock(packs, tmp_path):
+    """--expert-ram-cache-mib with --expert-prefetch on: same text as stock, and the prefetch counters on /metrics."""
+    from ggml_expert_pack.lossless import ram_mib_for_blocks
+    src, pack = packs("qwen3moe")
+    stock = LlamaServer(["-m", str(src)], tmp_path / "stock.log")
+    try:
+        want = _complete(stock)
+    finally:
+        stock.stop()
+    ours = LlamaServer(["-m", str(pack / "trunk.gguf"), "--expert-pack", str(pack),
+                        "--expert-cache-mib", f"{cache_mib_for_slots(pack, 4)}", "--expert-cache-reserve-mib", "0",
+                        "--expert-ram-cache-mib", f"{ram_mib_for_blocks(pack, 12)}", "--expert-prefetch", "on",
+                        "--expert-ram-tier-mode", "inclusive", "--metrics"], tmp_path / "ours.log")
+    try:
+        got = _complete(ours)
+        with urllib.request.urlopen(ours.base + "/metrics", timeout=30) as r:
+            metrics = r.read().decode()
+    finally:
+        ours.stop()
+    assert got["content"] == want["content"] and len(got["content"]) > 0
+    m = {line.split()[0]: float(line.split()[1]) for line in metrics.splitlines()
+         if line.startswith("expert_pack_")}
+    assert m["expert_pack_prefetch_issued_total"] > 0 and m["expert_pack_predicted_total"] > 0
+    assert m["expert_pack_io_errors_total"] == 0
+
+
 def test_llama_server_refuses_a_bad_pack(packs, tmp_path):
     src, pack = packs("qwen3moe")
     other_src, other_pack = packs("qwen3moe", seed=7)
@@ -103,6 +129,8 @@ def test_llama_server_refuses_a_bad_pack(packs, tmp_path):
         (["-m", str(pack / "trunk.gguf"), "--expert-pack", str(other_pack)], "pack"),
         (["-m", str(pack / "trunk.gguf")], "expert-pack trunk"),
         (["-m", str(src), "--expert-pack", str(pack), "--expert-direct-io", "maybe"], "expert-direct-io"),
+        (["-m", str(src), "--expert-pack", str(pack), "--expert-prefetch", "on"], "needs the host-RAM tier"),
+        (["-m", str(src), "--expert-pack", str(pack), "--expert-ram-tier-mode", "lru"], "expert-ram-tier-mode"),
     ]:
         r = subprocess.run([str(SERVER), "--port", str(free_port()), "-c", str(N_CTX), *args],
                            capture_output=True, text=True, timeout=120)

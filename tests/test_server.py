@@ -165,6 +165,14 @@ def test_serve_cache_flags_reach_the_pack_config(tmp_path):
     for flag in ("--ram-cache-mib", "--read-threads"):
         with pytest.raises(ValueError, match=f"{flag} needs --expert-pack"):
             pack_config(ap.parse_args(["serve", "-m", "m.gguf", flag, "2"]))
+    # the fork's spellings, prefetch and the tier's mode
+    args = ap.parse_args(["serve", "-m", "m.gguf", "--expert-pack", str(tmp_path), "--expert-ram-cache-mib", "64",
+                          "--expert-prefetch", "on", "--ram-tier-mode", "inclusive"])
+    assert pack_config(args) == {"pack_dir": str(tmp_path), "ram_cache_mib": 64.0, "prefetch": True,
+                                 "ram_tier_mode": "inclusive"}
+    for flag, value in (("--prefetch", "on"), ("--ram-tier-mode", "victim")):
+        with pytest.raises(ValueError, match=f"{flag} needs --expert-pack"):
+            pack_config(ap.parse_args(["serve", "-m", "m.gguf", flag, value]))
 
 
 def test_metrics_parse(server):
