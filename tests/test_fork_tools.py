@@ -61,14 +61,19 @@ def _complete(server: LlamaServer) -> dict:
                              n_probs=0, seed=1)
 
 
+def _stock_completion(src, tmp_path) -> dict:
+    """The reference: stock llama-server (the fork without --expert-pack) on the original GGUF."""
+    stock = LlamaServer(["-m", str(src)], tmp_path / "stock.log")
+    try:
+        return _complete(stock)
+    finally:
+        stock.stop()
+
+
 @pytest.mark.parametrize("arch", ["qwen3moe", "deepseek4"])
 def test_llama_server_with_pack_answers_like_stock(packs, tmp_path, arch):
     src, pack = packs(arch)
-    stock = LlamaServer(["-m", str(src)], tmp_path / "stock.log")
-    try:
-        want = _complete(stock)
-    finally:
-        stock.stop()
+    want = _stock_completion(src, tmp_path)
     stats = tmp_path / "stats.json"
     # the smallest cache that holds one token's experts (top-4 of the tiny models): every step evicts
     ours = LlamaServer(["-m", str(pack / "trunk.gguf"), "--expert-pack", str(pack),
@@ -99,11 +104,7 @@ def test_llama_server_with_prefetch_answers_like_stock(packs, tmp_path):
     """--expert-ram-cache-mib with --expert-prefetch on: same text as stock, and the prefetch counters on /metrics."""
     from ggml_expert_pack.lossless import ram_mib_for_blocks
     src, pack = packs("qwen3moe")
-    stock = LlamaServer(["-m", str(src)], tmp_path / "stock.log")
-    try:
-        want = _complete(stock)
-    finally:
-        stock.stop()
+    want = _stock_completion(src, tmp_path)
     ours = LlamaServer(["-m", str(pack / "trunk.gguf"), "--expert-pack", str(pack),
                         "--expert-cache-mib", f"{cache_mib_for_slots(pack, 4)}", "--expert-cache-reserve-mib", "0",
                         "--expert-ram-cache-mib", f"{ram_mib_for_blocks(pack, 12)}", "--expert-prefetch", "on",

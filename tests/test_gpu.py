@@ -29,20 +29,21 @@ def _against_stock(src, with_pack):
             float(np.abs(stock.logits - stock_other.logits).max()))
 
 
+def _pack_on_gpu(pack, **cfg):
+    """The product path on the GPU: the trunk + the pack (without the original), a 64-token prompt and a decode;
+    returns the run and the provider's stats (counters and geometry) while attached."""
+    p = Provider.open(pack, cache_vram_reserve_mib=0, **cfg)
+    try:
+        return run(pack / "trunk.gguf", p, n_gpu_layers=-1, prompt_len=64), p.stats()
+    finally:
+        p.close()
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("slots", [4, None], ids=["min", "all-fit"])
 def test_gpu_lossless(packs, arch, slots):
     src, pack = packs(arch)
-    cfg = dict(cache_vram_reserve_mib=0)
-    if slots:
-        cfg["cache_vram_mib"] = cache_mib_for_slots(pack, slots)
-    p = Provider.open(pack, **cfg)
-    try:
-        # the product path: the trunk + the pack, without the original
-        with_pack = run(pack / "trunk.gguf", p, n_gpu_layers=-1, prompt_len=64)
-        stats = p.stats()
-    finally:
-        p.close()
+    with_pack, stats = _pack_on_gpu(pack, **({"cache_vram_mib": cache_mib_for_slots(pack, slots)} if slots else {}))
     assert with_pack.error == 0
     ub = with_pack.n_ubatch
     diff, bound = _against_stock(src, with_pack)
@@ -58,13 +59,8 @@ def test_gpu_ram_tier_lossless(packs, read_threads):
     an evicting device cache and an evicting tier; same criterion as above."""
     from ggml_expert_pack.lossless import ram_mib_for_blocks
     src, pack = packs("qwen3moe")
-    p = Provider.open(pack, cache_vram_reserve_mib=0, cache_vram_mib=cache_mib_for_slots(pack, 4),
-                      ram_cache_mib=ram_mib_for_blocks(pack, 24), read_threads=read_threads)
-    try:
-        with_pack = run(pack / "trunk.gguf", p, n_gpu_layers=-1, prompt_len=64)
-        stats = p.stats()
-    finally:
-        p.close()
+    with_pack, stats = _pack_on_gpu(pack, cache_vram_mib=cache_mib_for_slots(pack, 4),
+                                    ram_cache_mib=ram_mib_for_blocks(pack, 24), read_threads=read_threads)
     assert with_pack.error == 0
     diff, bound = _against_stock(src, with_pack)
     print(f"\nram tier, read_threads={read_threads}: max|pack-stock|={diff:.3g}, stock's own bound={bound:.3g}, "
@@ -93,13 +89,8 @@ def test_gpu_prefetch_lossless(packs, arch):
     criterion as above, and the prefetches are used."""
     from ggml_expert_pack.lossless import ram_mib_for_blocks
     src, pack = packs(arch)
-    p = Provider.open(pack, cache_vram_reserve_mib=0, cache_vram_mib=cache_mib_for_slots(pack, 4),
-                      ram_cache_mib=ram_mib_for_blocks(pack, 24), prefetch=True)
-    try:
-        with_pack = run(pack / "trunk.gguf", p, n_gpu_layers=-1, prompt_len=64)
-        c = p.counters()
-    finally:
-        p.close()
+    with_pack, c = _pack_on_gpu(pack, cache_vram_mib=cache_mib_for_slots(pack, 4),
+                                ram_cache_mib=ram_mib_for_blocks(pack, 24), prefetch=True)
     assert with_pack.error == 0
     diff, bound = _against_stock(src, with_pack)
     print(f"\nprefetch {arch}: max|pack-stock|={diff:.3g}, stock's own bound={bound:.3g}, "

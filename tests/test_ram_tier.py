@@ -34,6 +34,54 @@ def _provider(pack, slots, ram_blocks, **kw):
                          ram_cache_mib=ram_mib_for_blocks(pack, ram_blocks), **kw)
 
 
+def _decode_like_stock(src, p, n_decode):
+    """Run src with provider p (closed afterwards) and without a pack; assert bit-identical tokens and logits;
+    return p's counters."""
+    try:
+        got = run(src, p, n_ubatch=256, n_decode=n_decode)
+        c = p.counters()
+    finally:
+        p.close()
+    ref = run(src, None, n_ubatch=256, n_decode=n_decode)
+    assert got.error == 0 and got.tokens == ref.tokens
+    assert np.array_equal(got.logits, ref.logits), f"max |diff| {np.abs(got.logits - ref.logits).max()}"
+    return c
+
+
+def _eio_fails_the_request_then_recovers(src, pack, p, check_failure=None):
+    """Generate with p, make the disk fail after 2 more block reads: the request fails at a step that needed the
+    disk, every token produced before equals stock's; readable again, the next request is stock's. p is closed.
+    check_failure(p, counters_before_the_fault) adds the caller's checks at the failure."""
+    prompt = [(i * 7919) % 1000 + 100 for i in range(8)]
+    ref = Session(src, n_gpu_layers=0)
+    want, rc = ref.generate(prompt, 24)
+    ref.close()
+    assert rc == 0
+    s = Session(pack / TRUNK_FILE, p, n_gpu_layers=0)
+    try:
+        got, rc = s.generate(prompt, 6)
+        assert rc == 0 and got == want[:6]
+        before = p.counters()
+        p.inject_eio(2)                           # the disk fails after 2 more block reads
+        while rc == 0 and len(got) < 24:
+            got.append(int(np.argmax(s.logits())))
+            rc = s.decode([got[-1]])
+        assert rc != 0 and len(got) < 24          # the request fails at a step that needed the disk
+        assert got == want[:len(got)]             # every token produced came from complete data
+        assert "Input/output error" in p.last_error
+        c = p.counters()
+        assert c["cache_misses"] == c["ram_hits"] + c["ram_misses"]
+        if check_failure:
+            check_failure(c, before)
+        p.inject_eio(-1)                          # readable again: the next request is served, and no block
+        s.reset()                                 # that a failed read was meant to fill is used
+        again, rc = s.generate(prompt, 24)
+        assert rc == 0 and again == want
+    finally:
+        s.close()
+        p.close()
+
+
 # 5 blocks: fewer than the misses of one round (up to 9), so the misses go through the tier in groups;
 # 24 blocks: more than a step needs, less than the 64 keys, so the tier evicts too
 @pytest.mark.parametrize("ram_blocks", [5, 24], ids=["grouped", "evicting"])
@@ -112,34 +160,11 @@ def test_a_tier_that_holds_everything_serves_the_second_run(packs):
 
 def test_eio_with_ram_tier_fails_the_request_then_recovers(packs):
     src, pack = packs("qwen3moe")
-    prompt = [(i * 7919) % 1000 + 100 for i in range(8)]
-    ref = Session(src, n_gpu_layers=0)
-    want, rc = ref.generate(prompt, 24)
-    ref.close()
-    assert rc == 0
-    p = _provider(pack, 2 * K + 1, 12)
-    s = Session(pack / TRUNK_FILE, p, n_gpu_layers=0)
-    try:
-        got, rc = s.generate(prompt, 6)
-        assert rc == 0 and got == want[:6]
-        reads = p.counters()["ram_misses"]
-        p.inject_eio(2)                           # the disk fails after 2 more block reads
-        while rc == 0 and len(got) < 24:
-            got.append(int(np.argmax(s.logits())))
-            rc = s.decode([got[-1]])
-        assert rc != 0 and len(got) < 24          # the request fails at a step that needed the disk
-        assert got == want[:len(got)]             # every token produced came from complete data
-        c = p.counters()
-        assert c["io_errors"] == 1 and "Input/output error" in p.last_error
-        assert c["ram_misses"] - reads == 2       # the two reads that landed; the failed one is not counted
-        assert c["cache_misses"] == c["ram_hits"] + c["ram_misses"]
-        p.inject_eio(-1)                          # readable again: the next request is served, and no RAM
-        s.reset()                                 # block that the failed read was meant to fill is used
-        again, rc = s.generate(prompt, 24)
-        assert rc == 0 and again == want
-    finally:
-        s.close()
-        p.close()
+
+    def check(c, before):
+        assert c["io_errors"] == 1
+        assert c["ram_misses"] - before["ram_misses"] == 2  # the two reads that landed; the failed one is not counted
+    _eio_fails_the_request_then_recovers(src, pack, _provider(pack, 2 * K + 1, 12), check)
 
 
 @pytest.mark.parametrize("value, match", [
@@ -195,35 +220,15 @@ def test_lossless_with_read_threads(packs, stock, kind, ram_blocks):
 @pytest.mark.parametrize("ram_blocks", [None, 12], ids=["staging", "ram"])
 def test_eio_with_read_threads_fails_the_request_then_recovers(packs, ram_blocks):
     src, pack = packs("qwen3moe")
-    prompt = [(i * 7919) % 1000 + 100 for i in range(8)]
-    ref = Session(src, n_gpu_layers=0)
-    want, rc = ref.generate(prompt, 24)
-    ref.close()
     kw = dict(read_threads=4)
     if ram_blocks is None:
         p = Provider.open(pack, cache_vram_mib=cache_mib_for_slots(pack, 2 * K + 1), cache_vram_reserve_mib=0, **kw)
     else:
         p = _provider(pack, 2 * K + 1, ram_blocks, **kw)
-    s = Session(pack / TRUNK_FILE, p, n_gpu_layers=0)
-    try:
-        got, rc = s.generate(prompt, 6)
-        assert rc == 0 and got == want[:6]
-        p.inject_eio(2)
-        while rc == 0 and len(got) < 24:
-            got.append(int(np.argmax(s.logits())))
-            rc = s.decode([got[-1]])
-        assert rc != 0 and len(got) < 24
-        assert got == want[:len(got)]
-        c = p.counters()
-        assert c["io_errors"] == 1 and "Input/output error" in p.last_error
-        assert c["cache_misses"] == c["ram_hits"] + c["ram_misses"]
-        p.inject_eio(-1)
-        s.reset()
-        again, rc = s.generate(prompt, 24)
-        assert rc == 0 and again == want
-    finally:
-        s.close()
-        p.close()
+
+    def check(c, before):
+        assert c["io_errors"] == 1
+    _eio_fails_the_request_then_recovers(src, pack, p, check)
 
 
 def test_bad_read_threads_names_the_key(packs):
@@ -234,16 +239,9 @@ def test_bad_read_threads_names_the_key(packs):
 
 
 @pytest.mark.parametrize("mode", ["victim", "inclusive"])
-def test_ram_tier_modes_are_lossless(packs, stock, mode):
+def test_ram_tier_modes_are_lossless(packs, mode):
     src, pack = packs("qwen3moe")
-    p = _provider(pack, K, 24, ram_tier_mode=mode)
-    try:
-        got = run(src, p, n_ubatch=256, n_decode=48)
-        c = p.counters()
-    finally:
-        p.close()
-    ref = run(src, None, n_ubatch=256, n_decode=48)
-    assert got.error == 0 and got.tokens == ref.tokens and np.array_equal(got.logits, ref.logits)
+    c = _decode_like_stock(src, _provider(pack, K, 24, ram_tier_mode=mode), n_decode=48)
     assert c["cache_misses"] == c["ram_hits"] + c["ram_misses"]
 
 
@@ -282,18 +280,10 @@ def _prefetch_counters_hold(c):
 
 @pytest.mark.parametrize("arch", ["qwen3moe", "deepseek4"])
 @pytest.mark.parametrize("ram_blocks, read_threads", [(12, 1), (24, 4)], ids=["small-tier", "evicting-4-threads"])
-def test_lossless_with_prefetch(packs, stock, arch, ram_blocks, read_threads):
+def test_lossless_with_prefetch(packs, arch, ram_blocks, read_threads):
     """Prefetch only adds RAM-tier reads: the logits stay bit-identical to stock, and the predictions are scored."""
     src, pack = packs(arch)
-    p = _provider(pack, K, ram_blocks, prefetch=True, read_threads=read_threads)
-    try:
-        got = run(src, p, n_ubatch=256, n_decode=48)
-        c = p.counters()
-    finally:
-        p.close()
-    ref = run(src, None, n_ubatch=256, n_decode=48)
-    assert got.error == 0 and got.tokens == ref.tokens
-    assert np.array_equal(got.logits, ref.logits), f"max |diff| {np.abs(got.logits - ref.logits).max()}"
+    c = _decode_like_stock(src, _provider(pack, K, ram_blocks, prefetch=True, read_threads=read_threads), n_decode=48)
     assert c["io_errors"] == 0
     # every decode step predicts each MoE layer after the first from the one before it
     assert c["predicted"] > 0 and c["prefetch_issued"] > 0
@@ -319,30 +309,13 @@ def test_prefetch_serves_misses_from_the_ram_tier(packs):
 
 
 def test_eio_during_prefetch_fails_only_the_request_then_recovers(packs):
+    """Prefetch and demand reads fail alike after the fault: a failed prefetch only empties its block (the demand
+    read then fails the step), and no block a failed prefetch was meant to fill is trusted afterwards."""
     src, pack = packs("qwen3moe")
-    prompt = [(i * 7919) % 1000 + 100 for i in range(8)]
-    ref = Session(src, n_gpu_layers=0)
-    want, rc = ref.generate(prompt, 24)
-    ref.close()
-    p = _provider(pack, K, 12, prefetch=True)
-    s = Session(pack / TRUNK_FILE, p, n_gpu_layers=0)
-    try:
-        got, rc = s.generate(prompt, 6)
-        assert rc == 0 and got == want[:6]
-        p.inject_eio(2)  # prefetch and demand reads fail alike from here
-        while rc == 0 and len(got) < 24:
-            got.append(int(np.argmax(s.logits())))
-            rc = s.decode([got[-1]])
-        assert rc != 0 and len(got) < 24          # a demand read failed: the step fails, nothing is made up
-        assert got == want[:len(got)]
-        assert p.counters()["io_errors"] >= 1 and "Input/output error" in p.last_error
-        p.inject_eio(-1)
-        s.reset()
-        again, rc = s.generate(prompt, 24)
-        assert rc == 0 and again == want          # a failed prefetch left no block that is then trusted
-    finally:
-        s.close()
-        p.close()
+
+    def check(c, before):
+        assert c["io_errors"] >= 1
+    _eio_fails_the_request_then_recovers(src, pack, _provider(pack, K, 12, prefetch=True), check)
 
 
 def test_prefetch_needs_the_ram_tier(packs):
