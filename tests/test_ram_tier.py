@@ -278,7 +278,7 @@ def _prefetch_counters_hold(c):
     assert c["prefetch_used"] <= c["ram_hits"]  # a used prefetch is a RAM hit
 
 
-@pytest.mark.parametrize("arch", ["qwen3moe", "deepseek4"])
+@pytest.mark.parametrize("arch", ["qwen3moe", "deepseek4", "kimi-k3"])
 @pytest.mark.parametrize("ram_blocks, read_threads", [(12, 1), (24, 4)], ids=["small-tier", "evicting-4-threads"])
 def test_lossless_with_prefetch(packs, arch, ram_blocks, read_threads):
     """Prefetch only adds RAM-tier reads: the logits stay bit-identical to stock, and the predictions are scored."""
