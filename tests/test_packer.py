@@ -53,9 +53,35 @@ def _source_bytes(src_path: Path, tensor_name: str) -> tuple[bytes, tuple, objec
         return f.read(t.entry.nbytes), t.entry.shape, t.entry.type
 
 
+def _xxh3_long_inputs():
+    a = bytes(range(256)) * 4096                                                  # 1 MiB
+    b = (np.arange(1_000_003, dtype=np.int64) * 7919 % 251).astype(np.uint8).tobytes()  # an odd length
+    return {"a": a, "b": b, "c": bytes(range(256)) * 9 + b"xyz", "a+1": a + b"\x01"}
+
+
 def test_xxh3_known_vectors():
     assert xxh3_128(b"").hex() == "99aa06d3014798d86001c324468d497f"
     assert xxh3_128(b"abc").hex() == "06b05ab6733a618578af5f94892f3950"
+    # inputs long enough for the vectorised loop (the AVX2 path where the CPU has it, src/checksum_avx2.cpp)
+    want = {"a": "1b208d2839093774d36c0e13a3df139e", "b": "db7dab1eb1a05b19c0f8462487e4854d",
+            "c": "284ea7510a9d3ae2a6cb3518d8e6e30d", "a+1": "f9e5b35fdf1767253bfbd48c2a5afcae"}
+    assert {k: xxh3_128(v).hex() for k, v in _xxh3_long_inputs().items()} == want
+
+
+def test_xxh3_vector_paths_agree():
+    """The run-time choice of the hash's vector unit never changes a checksum: the default path and the forced
+    baseline (EXPERT_PACK_XXH3_BASELINE=1) agree on random blocks of many lengths."""
+    import subprocess
+    import sys
+    code = ("import numpy as np; from ggml_expert_pack.pybind import xxh3_128; "
+            "r = np.random.default_rng(5); "
+            "print(' '.join(xxh3_128(r.integers(0, 256, n, dtype=np.uint8)).hex() "
+            "for n in (0, 1, 17, 129, 240, 241, 1024, 4096, 65536 + 3, 2 * 1048576 + 4096)))")
+    env = {k: v for k, v in os.environ.items() if k != "EXPERT_PACK_XXH3_BASELINE"}
+    default = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    baseline = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                              env={**env, "EXPERT_PACK_XXH3_BASELINE": "1"})
+    assert default.stdout.split() == baseline.stdout.split() and len(default.stdout.split()) == 10
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -1,12 +1,34 @@
 // Checksums of expert blocks and fingerprints: XXH3-128 (xxHash, vendored in llama.cpp).
-// ~15-30 GB/s per core: cheap enough to check every block as it is read at run time.
+// Every block read at run time is checked, hundreds of MB per decoded token, so the one-shot hash picks the
+// widest vector unit the CPU has: release builds are not -march=native (GGML_NATIVE=OFF), which leaves this file
+// at the baseline (SSE2 on x86-64, 17 GB/s on the dev machine); checksum_avx2.cpp is the same code built for AVX2
+// (docs/BENCHMARKS.md, "Checksum speed"). Both compute the same XXH3 (tests/test_packer.py checks known answers
+// and both paths against each other).
 #define XXH_INLINE_ALL
 #include "xxhash.h"
 
 #include "expert_pack.h"
 
+#include <cstdlib>
+
+#if defined(EXPERT_PACK_HAVE_AVX2)
+namespace expert_pack {
+XXH128_hash_t xxh3_128_avx2(const void * data, size_t size);  // checksum_avx2.cpp
+}
+
+static bool use_avx2() {
+    // EXPERT_PACK_XXH3_BASELINE=1 forces the baseline path (tests compare the two)
+    static const bool yes = __builtin_cpu_supports("avx2") && !std::getenv("EXPERT_PACK_XXH3_BASELINE");
+    return yes;
+}
+#endif
+
 extern "C" void expert_pack_xxh3_128(const void * data, size_t size, uint8_t out[16]) {
+#if defined(EXPERT_PACK_HAVE_AVX2)
+    const XXH128_hash_t h = use_avx2() ? expert_pack::xxh3_128_avx2(data, size) : XXH3_128bits(data, size);
+#else
     const XXH128_hash_t h = XXH3_128bits(data, size);
+#endif
     XXH128_canonical_t c;
     XXH128_canonicalFromHash(&c, h);  // big-endian byte order: the hex string reads the same everywhere
     for (int i = 0; i < 16; ++i) {
