@@ -16,8 +16,10 @@ memory figures, stop it. Systems:
   f       (c) plus a host-RAM tier of --ram-tier-frac of the model (pinned, inside the same RAM cap; victim mode)
   f-incl  (f) with the inclusive RAM tier (every expert read goes into it)
   h       (f) plus next-layer prefetch into the RAM tier (--prefetch on)
-  h4      (h) with 4 read threads (demand misses and prefetches)
-  g       (c) with a step's misses read by 4 threads (read_threads), each copy started as its read lands
+  h4      (h) with 4 read threads for the demand misses (until 2026-12-01 also 4 prefetch threads; now one)
+  g       (c) with a step's misses read by 4 threads (read_threads), each copy started as its read lands: the
+          provider's default since 2026-12-01; every other system of ours pins --read-threads 1 (or
+          --expert-read-threads 1) so that its configuration stays the one measured before
 "stock" is the fork's llama-server binary without --expert-pack: the patches are inert without a pack (the
 lossless tests show stock-identical logits on that path), so it is the same source and build as (e).
 
@@ -309,21 +311,24 @@ def main() -> int:
     ours = py + ["serve", "-m", str(trunk), "--expert-pack", str(args.pack), "--port", "{port}", "-c", str(args.ctx),
                  "-ngl", "-1"]
     ram_tier_mib = args.ram_tier_frac * model_bytes / 2**20
+    # one read thread unless a system says otherwise: the systems keep the configurations measured before
+    # read_threads' default became 4 (system g is that default)
+    ours_1t = ours + ["--read-threads", "1"]
     systems = {
         "a": ([server, "-m", str(args.model), "--cpu-moe", *common], args.slow_n_predict),
         "b": ([server, "-m", str(args.model), *common], args.n_predict),
-        "c": (ours + ["--cache-mib", f"{cache_mib}"], args.n_predict),
-        "d": (ours + ["--cache-mib", f"{cache_mib}", "--direct-io", "off"], args.n_predict),
+        "c": (ours_1t + ["--cache-mib", f"{cache_mib}"], args.n_predict),
+        "d": (ours_1t + ["--cache-mib", f"{cache_mib}", "--direct-io", "off"], args.n_predict),
         "e": ([server, "-m", str(trunk), "--expert-pack", str(args.pack), "--expert-cache-mib", f"{cache_mib}",
-               *common], args.n_predict),
-        "c-tiny": (ours + ["--cache-mib", f"{tiny_mib}"], args.n_predict),
-        "f": (ours + ["--cache-mib", f"{cache_mib}", "--ram-cache-mib", f"{ram_tier_mib:.0f}"], args.n_predict),
-        "f-incl": (ours + ["--cache-mib", f"{cache_mib}", "--ram-cache-mib", f"{ram_tier_mib:.0f}",
+               "--expert-read-threads", "1", *common], args.n_predict),
+        "c-tiny": (ours_1t + ["--cache-mib", f"{tiny_mib}"], args.n_predict),
+        "f": (ours_1t + ["--cache-mib", f"{cache_mib}", "--ram-cache-mib", f"{ram_tier_mib:.0f}"], args.n_predict),
+        "f-incl": (ours_1t + ["--cache-mib", f"{cache_mib}", "--ram-cache-mib", f"{ram_tier_mib:.0f}",
                            "--ram-tier-mode", "inclusive"], args.n_predict),
-        "h": (ours + ["--cache-mib", f"{cache_mib}", "--ram-cache-mib", f"{ram_tier_mib:.0f}", "--prefetch", "on"],
+        "h": (ours_1t + ["--cache-mib", f"{cache_mib}", "--ram-cache-mib", f"{ram_tier_mib:.0f}", "--prefetch", "on"],
               args.n_predict),
         "h4": (ours + ["--cache-mib", f"{cache_mib}", "--ram-cache-mib", f"{ram_tier_mib:.0f}", "--prefetch", "on",
-                       "--read-threads", "4"], args.n_predict),
+                            "--read-threads", "4"], args.n_predict),
         "g": (ours + ["--cache-mib", f"{cache_mib}", "--read-threads", "4"], args.n_predict),
     }
     names = {"a": "a-stock-cpu-moe", "b": "b-stock-all-gpu", "c": "c-ours-odirect", "d": "d-ours-buffered",

@@ -29,7 +29,7 @@ def add_serve(sub) -> None:
     g.add_argument("--read-splits", "--expert-read-splits", dest="read_splits", type=int, metavar="N",
                    help="parallel reads per expert")
     g.add_argument("--read-threads", "--expert-read-threads", dest="read_threads", type=int, metavar="N",
-                   help="threads reading a step's missed experts concurrently (default 1)")
+                   help="threads reading a step's missed experts concurrently (default 4)")
     g.add_argument("--direct-io", "--expert-direct-io", dest="direct_io", choices=("on", "off"),
                    help="O_DIRECT pack reads (default on; off = buffered reads, for comparison only)")
     g.add_argument("--ram-tier-mode", "--expert-ram-tier-mode", dest="ram_tier_mode", choices=("victim", "inclusive"),

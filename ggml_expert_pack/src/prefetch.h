@@ -5,8 +5,8 @@
 // must go first) or wait for one that has.
 //
 // Demand first: the provider cancels every queued read its current step does not need before that step reads
-// anything, so a prefetch never sits in front of a demand miss; at most `threads` prefetch reads can still be
-// running then.
+// anything, so a prefetch never sits in front of a demand miss; at most `threads` prefetch reads (the provider
+// uses one) can still be running then.
 #pragma once
 
 #include <condition_variable>
