@@ -309,6 +309,23 @@ def test_prefetch_serves_misses_from_the_ram_tier(packs):
         assert s[k] == c[k]
 
 
+def test_prefetch_never_touches_the_device_cache(packs):
+    """A guess only takes RAM-tier blocks: with prefetch on, the device cache sees exactly the same steps, so its hits,
+    misses and evictions are those of the same run without prefetch; only where the misses come from changes."""
+    src, pack = packs("qwen3moe")
+    got = {}
+    for pf in (False, True):
+        p = _provider(pack, K, 24, prefetch=pf)
+        try:
+            run(src, p, n_ubatch=256, n_decode=64)
+            got[pf] = p.counters()
+        finally:
+            p.close()
+    for k in ("cache_hits", "cache_misses", "cache_evictions", "h2d_bytes", "steps"):
+        assert got[True][k] == got[False][k], k
+    assert got[True]["ram_hits"] > got[False]["ram_hits"] and got[True]["prefetch_used"] > 0
+
+
 def test_eio_during_prefetch_fails_only_the_request_then_recovers(packs):
     """Prefetch and demand reads fail alike after the fault: a failed prefetch only empties its block (the demand
     read then fails the step), and no block a failed prefetch was meant to fill is trusted afterwards."""
