@@ -327,19 +327,22 @@ void expert_pack_provider::prefetch(expert_pack_layer * N, const ggml_tensor * p
     }
 }
 
-// Before block b gets other content: a prefetch read still writing into it is dropped or waited for, and a
-// prefetched block that was never used counts as wasted.
+// Before block b gets other content: a prefetch read not yet started is dropped (cancelled), one already running is
+// waited for (its content is discarded whatever the outcome), and a prefetched block never used counts as wasted.
 void expert_pack_provider::reclaim_block(int32_t b) {
     if (!pf) {
         return;
     }
-    if (pf->pending(b) && !pf->cancel(b)) {
-        (void) pf->wait(b);  // running: its content is discarded whatever the outcome
-    } else if (pf_unused[b]) {
-        // dropped before it started (cancel succeeded) or already collected: nothing more to wait for
+    bool was_read = true;
+    if (pf->pending(b)) {
+        if (pf->cancel(b)) {
+            was_read = false;
+        } else {
+            (void) pf->wait(b);
+        }
     }
     if (pf_unused[b]) {
-        stats.prefetch_wasted++;
+        (was_read ? stats.prefetch_wasted : stats.prefetch_cancelled)++;
         pf_unused[b] = 0;
     }
 }
