@@ -69,7 +69,8 @@ typedef struct expert_pack_stats {
     uint64_t prefetch_issued;     // prefetch reads queued
     uint64_t prefetch_used;       // prefetched blocks a cache miss then took from the RAM tier
     uint64_t prefetch_wasted;     // prefetched blocks read but dropped before any use
-    uint64_t prefetch_cancelled;  // prefetch reads dropped before they started (not needed by the next step)
+    uint64_t prefetch_cancelled;  // prefetch reads dropped before they started (the next step did not need them,
+                                  // or their block was taken for another expert first)
     uint64_t predicted;           // experts predicted for a layer (distinct per step)
     uint64_t predicted_correct;   // of those, the ones that layer's next step selected (accuracy = correct / predicted)
 } expert_pack_stats;
