@@ -1,5 +1,7 @@
 #include "prefetch.h"
 
+#include "read_pool.h"  // run_catching
+
 #include <algorithm>
 
 namespace expert_pack {
@@ -62,12 +64,7 @@ std::exception_ptr prefetcher::wait(int32_t block) {
         auto fn = std::move(it->second.fn);
         jobs_.erase(it);
         lk.unlock();
-        try {
-            fn();
-        } catch (...) {
-            return std::current_exception();
-        }
-        return nullptr;
+        return run_catching(fn);
     }
     done_cv_.wait(lk, [&] { return jobs_.at(block).st == state::done; });
     it = jobs_.find(block);
@@ -102,12 +99,7 @@ void prefetcher::worker() {
             j.st = state::running;
             fn = std::move(j.fn);
         }
-        std::exception_ptr err;
-        try {
-            fn();
-        } catch (...) {
-            err = std::current_exception();
-        }
+        const std::exception_ptr err = run_catching(fn);
         {
             std::lock_guard<std::mutex> lk(mu_);
             job & j = jobs_.at(block);

@@ -207,6 +207,7 @@ struct expert_pack_provider {
     void prefetch(expert_pack_layer * N, const ggml_tensor * pred);
     void settle_prefetches(const expert_pack_layer * L, const std::vector<int32_t> & missing);
     void reclaim_block(int32_t b);
+    bool cancel_prefetch(int32_t b);
 };
 
 using clk = std::chrono::steady_clock;
@@ -327,22 +328,29 @@ void expert_pack_provider::prefetch(expert_pack_layer * N, const ggml_tensor * p
     }
 }
 
-// Before block b gets other content: a prefetch read not yet started is dropped (cancelled), one already running is
-// waited for (its content is discarded whatever the outcome), and a prefetched block never used counts as wasted.
+// Drop block b's prefetch read if it has not started (counted as cancelled); false if there was none to drop.
+bool expert_pack_provider::cancel_prefetch(int32_t b) {
+    if (!pf->cancel(b)) {
+        return false;
+    }
+    if (pf_unused[b]) {
+        stats.prefetch_cancelled++;
+        pf_unused[b] = 0;
+    }
+    return true;
+}
+
+// Before block b gets other content: a prefetch read not yet started is dropped, one already running is waited for
+// (its content is discarded whatever the outcome), and a prefetched block never used counts as wasted.
 void expert_pack_provider::reclaim_block(int32_t b) {
     if (!pf) {
         return;
     }
-    bool was_read = true;
-    if (pf->pending(b)) {
-        if (pf->cancel(b)) {
-            was_read = false;
-        } else {
-            (void) pf->wait(b);
-        }
+    if (pf->pending(b) && !cancel_prefetch(b)) {
+        (void) pf->wait(b);
     }
     if (pf_unused[b]) {
-        (was_read ? stats.prefetch_wasted : stats.prefetch_cancelled)++;
+        stats.prefetch_wasted++;
         pf_unused[b] = 0;
     }
 }
@@ -351,18 +359,20 @@ void expert_pack_provider::reclaim_block(int32_t b) {
 // first), the ones it needs are waited for (a queued one is read now), so every RAM-tier block L may take as a hit
 // holds a complete, verified expert. A failed prefetch read leaves its block empty: L reads that expert itself.
 void expert_pack_provider::settle_prefetches(const expert_pack_layer * L, const std::vector<int32_t> & missing) {
+    const std::vector<int32_t> pending = pf->pending_blocks();
+    if (pending.empty()) {
+        return;
+    }
     std::vector<char> need(man.n_experts, 0);
     for (int32_t e : missing) {
         need[e] = 1;
     }
-    for (int32_t b : pf->pending_blocks()) {
+    for (int32_t b : pending) {
         const int32_t key = ram->policy().expert_in(b);
         const bool needed = key >= 0 && key / man.n_experts == L->moe_index && need[key % man.n_experts];
         if (!needed) {
-            if (pf->cancel(b)) {
-                ram->policy().invalidate(b);
-                pf_unused[b] = 0;
-                stats.prefetch_cancelled++;
+            if (cancel_prefetch(b)) {
+                ram->policy().invalidate(b);  // the block holds nothing now
             }
             continue;  // a running read nobody needs now: reclaim_block waits for it before the block is reused
         }

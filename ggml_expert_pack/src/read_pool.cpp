@@ -21,12 +21,7 @@ read_pool::~read_pool() {
 
 void read_pool::submit(size_t tag, std::function<void()> fn) {
     if (threads_.empty()) {
-        std::exception_ptr err;
-        try {
-            fn();
-        } catch (...) {
-            err = std::current_exception();
-        }
+        const std::exception_ptr err = run_catching(fn);
         std::lock_guard<std::mutex> lk(mu_);
         done_.emplace_back(tag, err);
         return;
@@ -63,12 +58,7 @@ void read_pool::worker() {
             job = std::move(jobs_.front());
             jobs_.pop_front();
         }
-        std::exception_ptr err;
-        try {
-            job.second();
-        } catch (...) {
-            err = std::current_exception();
-        }
+        const std::exception_ptr err = run_catching(job.second);
         {
             std::lock_guard<std::mutex> lk(mu_);
             done_.emplace_back(job.first, err);

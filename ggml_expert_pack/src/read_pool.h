@@ -17,6 +17,16 @@
 
 namespace expert_pack {
 
+// Run fn; what it threw, or null (a read's failure travels to whoever collects the read).
+inline std::exception_ptr run_catching(const std::function<void()> & fn) {
+    try {
+        fn();
+    } catch (...) {
+        return std::current_exception();
+    }
+    return nullptr;
+}
+
 class read_pool {
 public:
     explicit read_pool(int n_threads);  // n_threads <= 1: inline
