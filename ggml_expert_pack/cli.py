@@ -256,10 +256,12 @@ def add_bench_client(sub) -> None:
 
 
 def add_policy_sim(sub) -> None:
-    p = sub.add_parser("policy-sim", help="replay routing traces through LRU, LFU, our hybrid and Belady's optimum",
+    p = sub.add_parser("policy-sim", help="replay routing traces through LRU, LFU, our hybrid, A0 and Belady's optimum",
                        description="Replay routing traces (saved by `routing-stats --save-trace`, or recorded by the "
                        "runtime with the expert_pack key trace_path) through the cache policies, one cache per MoE "
-                       "layer, at cache sizes given as fractions of a layer's experts.")
+                       "layer, at cache sizes given as fractions of a layer's experts. A0 evicts the expert least used "
+                       "over the whole trace (popularity known in advance); Belady the one used again farthest in the "
+                       "future (the optimum).")
     p.add_argument("traces", nargs="*", help=".npz routing traces (routing-stats --save-trace)")
     p.add_argument("--trace", action="append", default=[], metavar="FILE", dest="runtime_traces",
                    help="a routing trace recorded by the runtime (trace_path; docs/FORMAT.md), replayed step by "

@@ -1,5 +1,10 @@
 """Replay a routing trace through cache policies at several cache sizes: LRU, LFU, our hybrid (the provider's own
-policy code, through the C API) and Belady's optimum (evict the expert used again farthest in the future).
+policy code, through the C API), A0 and Belady's optimum (evict the expert used again farthest in the future).
+
+A0 (Aho, Denning & Ullman, "Principles of optimal page replacement", JACM 1971) evicts the expert with the lowest
+frequency over the *whole* trace: it knows each expert's popularity in advance but not the order of the uses.
+When uses are independent draws from fixed popularities it is the best policy without foresight of the order;
+on real traces it is a reference for what knowing popularity is worth, not a bound.
 
 The cache is the runtime's: one arena per MoE layer with the same number of slots, the experts of the current
 step pinned (never evicted to make room for each other). A step's experts are distinct, so hits/(hits+misses) is
@@ -20,7 +25,7 @@ import numpy as np
 
 from .routing.trace import RoutingTrace, StepTrace
 
-POLICIES = ("lru", "lfu", "hybrid", "belady")
+POLICIES = ("lru", "lfu", "hybrid", "a0", "belady")
 
 
 def layer_steps(trace: RoutingTrace | StepTrace, li: int, slots: int | None = None) -> list[list[int]]:
@@ -58,25 +63,44 @@ def _lru(steps, slots):
     return hits
 
 
-def _lfu(steps, slots):
-    """Frequency counted over everything seen so far (perfect LFU); ties go to the least recently used."""
-    freq: dict = {}
-    last: dict = {}
+def replay(steps, slots, rank, use=None) -> int:
+    """Demand caching of `slots` experts with each step's experts pinned: a miss evicts the cached expert, not
+    needed by the step, of the lowest rank(expert, t). `use(expert, t)` (optional) is told of every use first.
+    Returns the hits."""
     cache: set = set()
     hits = 0
     for t, step in enumerate(steps):
         pinned = set(step)
         for x in step:
-            freq[x] = freq.get(x, 0) + 1
+            if use:
+                use(x, t)
             if x in cache:
                 hits += 1
-            else:
-                if len(cache) >= slots:
-                    victim = min((k for k in cache if k not in pinned), key=lambda k: (freq[k], last[k]))
-                    cache.remove(victim)
-                cache.add(x)
-            last[x] = t
+                continue
+            if len(cache) >= slots:
+                cache.remove(min((k for k in cache if k not in pinned), key=lambda k: rank(k, t)))
+            cache.add(x)
     return hits
+
+
+def _lfu(steps, slots):
+    """Frequency counted over everything seen so far (perfect LFU); ties go to the least recently used."""
+    freq: dict = {}
+    last: dict = {}
+
+    def use(x, t):
+        freq[x] = freq.get(x, 0) + 1
+        last[x] = t
+    return replay(steps, slots, lambda k, t: (freq[k], last[k]), use)
+
+
+def _a0(steps, slots):
+    """Evict the expert least used over the whole trace (hindsight popularity); ties to the lower id."""
+    freq: dict = {}
+    for step in steps:
+        for x in step:
+            freq[x] = freq.get(x, 0) + 1
+    return replay(steps, slots, lambda k, t: (freq[k], k))
 
 
 def _hybrid(steps, slots, n_expert):
@@ -97,19 +121,7 @@ def _belady(steps, slots):
         u = uses[x]
         i = bisect.bisect_right(u, t)
         return u[i] if i < len(u) else float("inf")
-    cache: set = set()
-    hits = 0
-    for t, step in enumerate(steps):
-        pinned = set(step)
-        for x in step:
-            if x in cache:
-                hits += 1
-                continue
-            if len(cache) >= slots:
-                victim = max((k for k in cache if k not in pinned), key=lambda k: next_use(k, t))
-                cache.remove(victim)
-            cache.add(x)
-    return hits
+    return replay(steps, slots, lambda k, t: -next_use(k, t))
 
 
 def hits(trace: RoutingTrace | StepTrace, policy: str, slots: int) -> tuple[int, int]:
@@ -125,6 +137,8 @@ def hits(trace: RoutingTrace | StepTrace, policy: str, slots: int) -> tuple[int,
             hits += _lfu(steps, slots)
         elif policy == "hybrid":
             hits += _hybrid(steps, slots, trace.n_expert)
+        elif policy == "a0":
+            hits += _a0(steps, slots)
         elif policy == "belady":
             hits += _belady(steps, slots)
         else:
@@ -139,24 +153,25 @@ def hit_rate(trace: RoutingTrace | StepTrace, policy: str, slots: int) -> float:
 
 
 def sweep(trace: RoutingTrace | StepTrace, fractions=(0.1, 0.14, 0.25, 0.5)) -> list[dict]:
-    """Rows {fraction, slots, lru, lfu, hybrid, belady, hybrid_over_belady} for cache sizes given as fractions of
-    a layer's experts (at least top-k slots, the runtime's minimum)."""
+    """Rows {fraction, slots, lru, lfu, hybrid, a0, belady, hybrid_over_belady, a0_over_belady} for cache sizes
+    given as fractions of a layer's experts (at least top-k slots, the runtime's minimum)."""
     k = top_k(trace)
     rows = []
     for f in fractions:
         slots = max(k, int(round(f * trace.n_expert)))
         row = {"fraction": f, "slots": slots, **{p: hit_rate(trace, p, slots) for p in POLICIES}}
         row["hybrid_over_belady"] = row["hybrid"] / row["belady"] if row["belady"] else float("nan")
+        row["a0_over_belady"] = row["a0"] / row["belady"] if row["belady"] else float("nan")
         rows.append(row)
     return rows
 
 
 def markdown(rows: list[dict], label: str) -> str:
-    out = [f"**{label}**", "", "| cache (of a layer's experts) | slots | LRU | LFU | hybrid (ours) | Belady | "
-           "ours ÷ Belady |", "|---|---|---|---|---|---|---|"]
+    out = [f"**{label}**", "", "| cache (of a layer's experts) | slots | LRU | LFU | hybrid (ours) | A0 | Belady | "
+           "ours ÷ Belady | A0 ÷ Belady |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         out.append(f"| {r['fraction']:.0%} | {r['slots']} | {r['lru']:.3f} | {r['lfu']:.3f} | {r['hybrid']:.3f} | "
-                   f"{r['belady']:.3f} | {r['hybrid_over_belady']:.2f} |")
+                   f"{r['a0']:.3f} | {r['belady']:.3f} | {r['hybrid_over_belady']:.2f} | {r['a0_over_belady']:.2f} |")
     return "\n".join(out) + "\n"
 
 

@@ -14,7 +14,8 @@ CONFIG_KEYS = ("pack_path", "manifest_path", "cache_vram_mib", "cache_vram_reser
                "direct_io", "stats_path", "stats_flush_interval", "verify_pack_sha256", "ram_cache_mib", "trace_path",
                "ram_tier_mode", "prefetch")
 STATS_FIELDS = ("cache_hits", "cache_misses", "cache_evictions", "pack_read_bytes", "h2d_bytes", "fallback_count",
-                "io_errors", "steps", "ram_hits", "ram_misses", "ram_evictions", "ram_blocks", "ram_bytes",
+                "io_errors", "steps", "ram_hits", "ram_misses", "ram_evictions", "ram_spills", "ram_blocks",
+                "ram_bytes",
                 "prefetch_issued", "prefetch_used", "prefetch_wasted", "prefetch_cancelled", "predicted",
                 "predicted_correct")
 

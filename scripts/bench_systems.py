@@ -13,13 +13,17 @@ memory figures, stop it. Systems:
   d       the same with buffered reads (direct_io off)
   e       the fork's own llama-server --expert-pack, cache as (c)
   c-tiny  (c) with a cache of --tiny-cache-frac of the experts (the reference's Kimi-K3 ratio)
-  f       (c) plus a host-RAM tier of --ram-tier-frac of the model (pinned, inside the same RAM cap; victim mode)
+  f       (c) plus a host-RAM tier of --ram-tier-frac of the model (pinned, inside the same RAM cap; victim mode,
+          the default until 2026-12-01, pinned here like f-incl, h and h4)
   f-incl  (f) with the inclusive RAM tier (every expert read goes into it)
   h       (f) plus next-layer prefetch into the RAM tier (--prefetch on)
   h4      (h) with 4 read threads for the demand misses (until 2026-12-01 also 4 prefetch threads; now one)
   g       (c) with a step's misses read by 4 threads (read_threads), each copy started as its read lands: the
           provider's default since 2026-12-01; every other system of ours pins --read-threads 1 (or
           --expert-read-threads 1) so that its configuration stays the one measured before
+  s       (f) in spill mode (the default since 2026-12-01: popularity-ranked tier, the device's popular victims
+          copied back into it); sp: (s) plus prefetch
+  s4, sp4 (s) and (sp) with the default 4 read threads: compare with (g)
 "stock" is the fork's llama-server binary without --expert-pack: the patches are inert without a pack (the
 lossless tests show stock-identical logits on that path), so it is the same source and build as (e).
 
@@ -180,7 +184,11 @@ def report(out: Path) -> str:
              ("f-ours-ram-tier", "c-ours-odirect"), ("f-ours-ram-tier-inclusive", "c-ours-odirect"),
              ("h-ours-ram-tier-prefetch", "c-ours-odirect"), ("h-ours-ram-tier-prefetch", "f-ours-ram-tier"),
              ("h4-ours-ram-tier-prefetch-4-threads", "c-ours-odirect"),
-             ("g-ours-read-threads-4", "c-ours-odirect")]
+             ("g-ours-read-threads-4", "c-ours-odirect"),
+             ("s-ours-spill-tier", "c-ours-odirect"), ("sp-ours-spill-tier-prefetch", "c-ours-odirect"),
+             ("s4-ours-spill-tier-4-threads", "g-ours-read-threads-4"),
+             ("sp4-ours-spill-tier-prefetch-4-threads", "g-ours-read-threads-4"),
+             ("sp4-ours-spill-tier-prefetch-4-threads", "c-ours-odirect")]
     lines += ["| ratio | decode | prefill |", "|---|---|---|"]
     for x, y in pairs:
         if x in reps and y in reps:
@@ -231,12 +239,15 @@ def overlap_lines(reps: dict, bw: float, t_rest: float) -> list[str]:
     """Per system of ours: decode step time against max(read time, compute time) of the same step (issue 9). The
     read time is the step's pack bytes at the bandwidth (c) achieved while reading (the disk's busy time, whoever
     reads); the compute time is (c)'s time outside reads (nothing here changes it). Serial reads and compute give
-    read + compute; full overlap gives the larger of the two. With prefetch, also its counters."""
+    read + compute; full overlap gives the larger of the two. With prefetch, also its counters. Systems with several
+    read threads are left out: (c)'s one-thread bandwidth is not their disk's busy bandwidth, which no counter gives."""
     lines = ["", "| system | ms per decode token | read ms | compute ms | step ÷ max(read, compute) | "
              "prediction accuracy | prefetches used / wasted / dropped of issued |", "|---|---|---|---|---|---|---|"]
     for name, rp in reps.items():
         bpt, dec = _all(rp, "ssd_bytes_per_token"), _all(rp, "decode_tok_s")
-        if not bpt or not dec:
+        cmd = rp.get("extra", {}).get("command", [])
+        threads = [cmd[i + 1] for i, a in enumerate(cmd[:-1]) if a in ("--read-threads", "--expert-read-threads")]
+        if not bpt or not dec or threads[-1:] != ["1"]:
             continue
         t_tok, t_read = 1 / dec, bpt / bw
         d = rp.get("extra", {}).get("pack_delta", {})
@@ -322,23 +333,33 @@ def main() -> int:
         "e": ([server, "-m", str(trunk), "--expert-pack", str(args.pack), "--expert-cache-mib", f"{cache_mib}",
                "--expert-read-threads", "1", *common], args.n_predict),
         "c-tiny": (ours_1t + ["--cache-mib", f"{tiny_mib}"], args.n_predict),
-        "f": (ours_1t + ["--cache-mib", f"{cache_mib}", "--ram-cache-mib", f"{ram_tier_mib:.0f}"], args.n_predict),
+        "f": (ours_1t + ["--cache-mib", f"{cache_mib}", "--ram-cache-mib", f"{ram_tier_mib:.0f}",
+                         "--ram-tier-mode", "victim"], args.n_predict),
         "f-incl": (ours_1t + ["--cache-mib", f"{cache_mib}", "--ram-cache-mib", f"{ram_tier_mib:.0f}",
                            "--ram-tier-mode", "inclusive"], args.n_predict),
-        "h": (ours_1t + ["--cache-mib", f"{cache_mib}", "--ram-cache-mib", f"{ram_tier_mib:.0f}", "--prefetch", "on"],
-              args.n_predict),
+        "h": (ours_1t + ["--cache-mib", f"{cache_mib}", "--ram-cache-mib", f"{ram_tier_mib:.0f}", "--prefetch", "on",
+                         "--ram-tier-mode", "victim"], args.n_predict),
         "h4": (ours + ["--cache-mib", f"{cache_mib}", "--ram-cache-mib", f"{ram_tier_mib:.0f}", "--prefetch", "on",
-                            "--read-threads", "4"], args.n_predict),
+                            "--read-threads", "4", "--ram-tier-mode", "victim"], args.n_predict),
         "g": (ours + ["--cache-mib", f"{cache_mib}", "--read-threads", "4"], args.n_predict),
     }
+    spill = ["--cache-mib", f"{cache_mib}", "--ram-cache-mib", f"{ram_tier_mib:.0f}", "--ram-tier-mode", "spill"]
+    systems.update({
+        "s": (ours_1t + spill, args.n_predict),
+        "sp": (ours_1t + spill + ["--prefetch", "on"], args.n_predict),
+        "s4": (ours + spill + ["--read-threads", "4"], args.n_predict),
+        "sp4": (ours + spill + ["--prefetch", "on", "--read-threads", "4"], args.n_predict),
+    })
     names = {"a": "a-stock-cpu-moe", "b": "b-stock-all-gpu", "c": "c-ours-odirect", "d": "d-ours-buffered",
              "e": "e-fork-llama-server", "c-tiny": "c-ours-odirect-tiny-cache", "f": "f-ours-ram-tier",
              "g": "g-ours-read-threads-4", "f-incl": "f-ours-ram-tier-inclusive", "h": "h-ours-ram-tier-prefetch",
-             "h4": "h4-ours-ram-tier-prefetch-4-threads"}
+             "h4": "h4-ours-ram-tier-prefetch-4-threads", "s": "s-ours-spill-tier", "sp": "sp-ours-spill-tier-prefetch",
+             "s4": "s4-ours-spill-tier-4-threads", "sp4": "sp4-ours-spill-tier-prefetch-4-threads"}
     cg = make_cgroup("expert-pack-bench", cap)
     for key in args.systems.split(","):
         cmd, n_predict = systems[key]
-        need = {"f": "--ram-cache-mib", "f-incl": "--ram-tier-mode", "h": "--prefetch", "h4": "--prefetch"}.get(key)
+        need = {"f": "--ram-cache-mib", "f-incl": "--ram-tier-mode", "h": "--prefetch", "h4": "--prefetch",
+                "s": "spill", "sp": "spill", "s4": "spill", "sp4": "spill"}.get(key)
         if need:
             probe = subprocess.run(py + ["serve", "--help"], capture_output=True, text=True)
             if need not in probe.stdout:

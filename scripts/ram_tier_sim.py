@@ -7,11 +7,19 @@ TRACE.npz is a generator trace (scripts/policy_study.py writes them). The decode
 experts of a step pinned in the device cache. Both tiers use LRU here (a relative comparison of tier designs, not
 of policies; docs/POLICY.md compares policies). Designs, all without writing anything back to the disk:
   none        no RAM tier: every device-cache miss is a pack read
-  inclusive   every block read goes into the tier (what the runtime does today)
+  inclusive   every block read goes into the tier (the runtime's first design)
   demote      the same blocks, but a block whose expert is on the device is the first to go, and moves to the
               front when the device evicts its expert: the tier keeps the device's victims, no extra copies
   exclusive   the device's victims are copied back into the tier (device-to-host), a RAM hit moves the block out
 Reports pack reads per token and the saving against `none`.
+
+A second table replays the runtime's own modes (ram_tier_mode) with the runtime's device policy (the
+frequency/recency hybrid, through the C API) and the tier's modes written again in Python:
+  none        no RAM tier
+  victim      a block whose expert is on the device goes first; the device's victims rank by eviction time
+  spill       blocks rank by popularity (score with a half-life of --spill-half-life steps; a block whose expert is on the
+              device goes first), and a victim the tier does not hold is copied back (device-to-host) when it is
+              more popular than the tier's least valued block
 """
 from __future__ import annotations
 
@@ -81,11 +89,91 @@ def simulate(steps, n_layers: int, vram_slots: int, ram_blocks: int, design: str
             "d2h_per_token": d2h / n_tok}
 
 
+class _DeviceCache:
+    """One layer's device cache under the runtime's own policy (the C API, as policy_sim's hybrid), reporting per
+    expert whether it hit and whom its slot held before."""
+
+    def __init__(self, n_slots: int, n_expert: int):
+        from ggml_expert_pack.pybind.provider import Policy
+        self.policy = Policy(n_slots, n_expert)
+        self.expert_in: dict[int, int] = {}  # slot -> expert
+
+    def step(self, unique):
+        """-> [(expert, hit, evicted)]"""
+        out = []
+        for e, slot in zip(unique, self.policy.step(unique)):
+            old = self.expert_in.get(slot, -1)
+            out.append((e, old == e, -1 if old == e else old))
+            self.expert_in[slot] = e
+        return out
+
+
+def simulate_runtime(steps, n_layers: int, n_expert: int, vram_slots: int, ram_blocks: int, mode: str,
+                     half_life: float = 256.0) -> dict:
+    """The runtime's tier modes over the runtime's device policy; one step per token."""
+    dev = [_DeviceCache(vram_slots, n_expert) for _ in range(n_layers)]
+    tier: dict[int, tuple] = {}          # key -> eviction priority (lowest goes first)
+    on_device: set[int] = set()
+    count: dict[int, float] = {}
+    last: dict[int, int] = {}
+    reads = ram_hits = d2h = t = 0
+
+    def pop(k):
+        return count.get(k, 0.0) * 2 ** (-(t - last.get(k, 0)) / half_life)
+
+    def prio(k):
+        if mode == "spill":
+            return (0.0 if k in on_device else pop(k), last.get(k, 0))
+        return tier[k]
+
+    def take_block(pinned):
+        if len(tier) < ram_blocks:
+            return
+        del tier[min((k for k in tier if k not in pinned), key=prio)]
+
+    for tok in steps:
+        t += 1
+        for li, experts in enumerate(tok):
+            keys = [li * n_expert + x for x in experts]
+            for k in keys:
+                count[k], last[k] = pop(k) + 1, t
+            pinned = set(keys)
+            for x, hit, ev in dev[li].step(experts):
+                if hit:
+                    continue
+                k, evk = li * n_expert + x, li * n_expert + ev
+                if ev >= 0:
+                    on_device.discard(evk)
+                    if mode == "victim" and evk in tier:
+                        tier[evk] = (1, t)                     # victims: most recent eviction last to go
+                    elif mode == "spill" and evk not in tier and ram_blocks:
+                        cand = [b for b in tier if b not in pinned]
+                        if len(tier) < ram_blocks or (cand and prio(min(cand, key=prio)) < (pop(evk), t)):
+                            take_block(pinned)
+                            tier[evk] = ()
+                            pinned.add(evk)
+                            d2h += 1
+                on_device.add(k)
+                if mode != "none" and k in tier:
+                    ram_hits += 1
+                else:
+                    reads += 1
+                    if mode != "none" and ram_blocks:
+                        take_block(pinned)
+                if mode != "none" and ram_blocks:
+                    tier[k] = (0, t)                           # on the device: first to go (victim mode)
+    n_tok = len(steps)
+    return {"design": mode, "reads_per_token": reads / n_tok, "ram_hits_per_token": ram_hits / n_tok,
+            "d2h_per_token": d2h / n_tok}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("trace", type=Path)
     ap.add_argument("--vram-frac", type=float, default=0.14, help="device cache, fraction of each layer's experts")
     ap.add_argument("--ram-frac", type=float, default=0.10, help="RAM tier, fraction of all experts")
+    ap.add_argument("--spill-half-life", type=float, default=256.0,
+                    help="popularity half-life of the spill mode, in steps (the runtime's SPILL_HALF_LIFE)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     from ggml_expert_pack.routing.trace import RoutingTrace
@@ -104,9 +192,18 @@ def main() -> int:
         r["saved"] = 1 - r["reads_per_token"] / base if base else 0.0
         print(f"| {r['design']} | {r['reads_per_token']:.2f} | {r['saved']:.1%} | {r['ram_hits_per_token']:.2f} | "
               f"{r['d2h_per_token']:.2f} |")
+    rt = [simulate_runtime(steps, n_layers, trace.n_expert, vram_slots, ram_blocks, m, args.spill_half_life)
+          for m in ("none", "victim", "spill")]
+    print("\nThe runtime's modes (device cache: the runtime's hybrid policy)")
+    print("| ram_tier_mode | pack reads / token | saved | RAM hits / token | device-to-host copies / token |")
+    print("|---|---|---|---|---|")
+    for r in rt:
+        r["saved"] = 1 - r["reads_per_token"] / rt[0]["reads_per_token"] if rt[0]["reads_per_token"] else 0.0
+        print(f"| {r['design']} | {r['reads_per_token']:.2f} | {r['saved']:.1%} | {r['ram_hits_per_token']:.2f} | "
+              f"{r['d2h_per_token']:.2f} |")
     if args.out:
         args.out.write_text(json.dumps({"trace": str(args.trace), "vram_slots": vram_slots, "ram_blocks": ram_blocks,
-                                        "rows": rows}, indent=1) + "\n")
+                                        "rows": rows, "runtime_modes": rt}, indent=1) + "\n")
     return 0
 
 

@@ -363,6 +363,7 @@ def metrics_text(engine: Engine, pack: dict | None) -> str:
                  "ram_hits": "Cache misses served from the host-RAM tier (no pack read).",
                  "ram_misses": "Cache misses read from the pack (every miss when the RAM tier is off).",
                  "ram_evictions": "Expert blocks evicted from the host-RAM tier.",
+                 "ram_spills": "Experts the device cache evicted, copied back into the host-RAM tier.",
                  "prefetch_issued": "Next-layer prefetch reads queued.",
                  "prefetch_used": "Prefetched experts a cache miss then took from the RAM tier.",
                  "prefetch_wasted": "Prefetched experts dropped before any use.",

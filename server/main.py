@@ -32,9 +32,11 @@ def add_serve(sub) -> None:
                    help="threads reading a step's missed experts concurrently (default 4)")
     g.add_argument("--direct-io", "--expert-direct-io", dest="direct_io", choices=("on", "off"),
                    help="O_DIRECT pack reads (default on; off = buffered reads, for comparison only)")
-    g.add_argument("--ram-tier-mode", "--expert-ram-tier-mode", dest="ram_tier_mode", choices=("victim", "inclusive"),
-                   help="what the host-RAM tier keeps: victim (default: the experts the cache does not hold) or "
-                        "inclusive (every expert read)")
+    g.add_argument("--ram-tier-mode", "--expert-ram-tier-mode", dest="ram_tier_mode",
+                   choices=("spill", "victim", "inclusive"),
+                   help="what the host-RAM tier keeps: spill (default: the most popular experts the device cache "
+                        "does not hold, copying the ones it evicts back into RAM), victim (the experts the cache "
+                        "evicted that are still in RAM, most recent first) or inclusive (every expert read)")
     g.add_argument("--prefetch", "--expert-prefetch", dest="prefetch", choices=("on", "off"),
                    help="predict the next layer's experts with its router and read them into the host-RAM tier "
                         "while the GPU computes (needs --ram-cache-mib; default off)")

@@ -49,12 +49,22 @@ def test_belady_bounds_every_policy_and_hybrid_is_the_provider(seed):
         assert rates["hybrid"] == pytest.approx(pol.hits / (pol.hits + pol.misses))
 
 
+def test_a0_evicts_the_least_popular_over_the_whole_trace():
+    # k=1, 2 slots: 1 is used three times first, then 0 and 2 alternate five times each. A0 knows that 0 and 2 are
+    # the popular ones over the trace: when 2 first comes it evicts 1 and then always hits (2 + 8 hits). LFU counts
+    # only the past, keeps 1 while it has the highest count so far, and 0 and 2 evict each other meanwhile.
+    t = _trace([[x] for x in [1, 1, 1] + [0, 2] * 5])
+    assert policy_sim.hits(t, "a0", 2) == (10, 13)
+    assert policy_sim.hits(t, "lfu", 2)[0] < 10
+    assert policy_sim.hits(t, "belady", 2)[0] == 10
+
+
 def test_sweep_and_markdown():
     rng = np.random.default_rng(3)
     t = _trace([list(rng.choice(16, size=2, replace=False)) for _ in range(50)], n_expert=16)
     rows = policy_sim.sweep(t, fractions=(0.05, 0.5))
     assert rows[0]["slots"] == 2  # never below top-k
-    assert rows[1]["slots"] == 8 and 0 < rows[1]["hybrid_over_belady"] <= 1
+    assert rows[1]["slots"] == 8 and 0 < rows[1]["hybrid_over_belady"] <= 1 and 0 < rows[1]["a0_over_belady"] <= 1
     md = policy_sim.markdown(rows, "test")
     assert "| 50% | 8 |" in md
 

@@ -61,7 +61,9 @@ typedef struct expert_pack_stats {
     // off every cache miss is a RAM miss)
     uint64_t ram_hits;         // cache misses served from the RAM tier (no pack read)
     uint64_t ram_misses;       // cache misses read from the pack
-    uint64_t ram_evictions;    // RAM blocks replaced by a miss
+    uint64_t ram_evictions;    // RAM blocks replaced (by a miss, a spill or a prefetch)
+    uint64_t ram_spills;       // experts the device evicted, copied from their slots back into the tier
+                               // (ram_tier_mode "spill"; device-to-host on a GPU, no pack read)
     uint64_t ram_blocks;       // the tier's size in blocks (0: off), and in bytes (not reset by reset_stats)
     uint64_t ram_bytes;
     // next-layer prefetch (prefetch): reads of predicted experts into the RAM tier while the device computes.
@@ -69,8 +71,9 @@ typedef struct expert_pack_stats {
     uint64_t prefetch_issued;     // prefetch reads queued
     uint64_t prefetch_used;       // prefetched blocks a cache miss then took from the RAM tier
     uint64_t prefetch_wasted;     // prefetched blocks read but dropped before any use
-    uint64_t prefetch_cancelled;  // prefetch reads dropped before they started (the next step did not need them,
-                                  // or their block was taken for another expert first)
+    uint64_t prefetch_cancelled;  // prefetch reads dropped before they started (the next layer's acquire drops every
+                                  // one not started, its needed ones then being read with its other misses; or
+                                  // their block was taken for another expert first)
     uint64_t predicted;           // experts predicted for a layer (distinct per step)
     uint64_t predicted_correct;   // of those, the ones that layer's next step selected (accuracy = correct / predicted)
 } expert_pack_stats;

@@ -70,4 +70,13 @@ void arena_store(layer_arena & a, int32_t slot, const void * block, size_t n) {
     }
 }
 
+void arena_load(const layer_arena & a, int32_t slot, void * block, size_t n) {
+    const uint64_t off = (uint64_t) slot * a.slot_stride;
+    if (a.host_base) {
+        memcpy(block, a.host_base + off, n);
+    } else {
+        ggml_backend_tensor_get(a.bytes, block, off, n);
+    }
+}
+
 }  // namespace expert_pack

@@ -37,5 +37,7 @@ void free_arena(layer_arena & a);
 
 // Copy one expert block into a slot (synchronous).
 void arena_store(layer_arena & a, int32_t slot, const void * block, size_t n);
+// Copy a slot's block out into host memory (synchronous).
+void arena_load(const layer_arena & a, int32_t slot, void * block, size_t n);
 
 }  // namespace expert_pack

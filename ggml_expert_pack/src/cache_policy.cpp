@@ -6,10 +6,36 @@ namespace expert_pack {
 
 hybrid_policy::hybrid_policy(int32_t n_slots, int32_t n_experts, double half_life)
     : half_life_(half_life), slot_of_(n_experts, -1), expert_in_(n_slots, -1), freq_(n_experts, 0.0),
-      last_(n_experts, 0), pinned_(n_slots, 0) {}
+      last_(n_experts, 0), pinned_(n_slots, 0), weight_(n_experts, 1.0f) {}
 
 double hybrid_policy::score(int32_t e) const {
-    return freq_[e] * std::exp2(-double(now_ - last_[e]) / half_life_);
+    return freq_[e] * std::exp2(-double(clock_ - last_[e]) / half_life_);
+}
+
+double hybrid_policy::priority(int32_t e) const {
+    return score(e) * weight_[e];
+}
+
+int32_t hybrid_policy::lowest_unpinned() const {
+    int32_t victim = -1;
+    double best = 0;
+    uint64_t best_last = 0;
+    for (int32_t s = 0; s < (int32_t) expert_in_.size(); ++s) {
+        if (pinned_[s] == now_) {
+            continue;
+        }
+        const int32_t old = expert_in_[s];
+        if (old < 0) {  // a free slot beats any eviction
+            return s;
+        }
+        const double p = priority(old);
+        if (victim < 0 || p < best || (p == best && last_[old] < best_last)) {
+            victim = s;
+            best = p;
+            best_last = last_[old];
+        }
+    }
+    return victim;
 }
 
 bool hybrid_policy::step(const std::vector<int32_t> & unique, std::vector<access> & out, bool use) {
@@ -17,13 +43,16 @@ bool hybrid_policy::step(const std::vector<int32_t> & unique, std::vector<access
         return false;
     }
     ++now_;
+    if (own_clock_) {
+        clock_ = now_;
+    }
     out.clear();
     out.reserve(unique.size());
     // hits first: every slot this step needs is pinned before any victim is chosen
     for (int32_t e : unique) {
         if (use) {
             freq_[e] = score(e) + 1.0;
-            last_[e] = now_;
+            last_[e] = clock_;
         }
         const int32_t s = slot_of_[e];
         if (s >= 0) {
@@ -35,25 +64,7 @@ bool hybrid_policy::step(const std::vector<int32_t> & unique, std::vector<access
         if (a.hit) {
             continue;
         }
-        int32_t victim = -1;
-        double best = 0;
-        uint64_t best_last = 0;
-        for (int32_t s = 0; s < (int32_t) expert_in_.size(); ++s) {
-            if (pinned_[s] == now_) {
-                continue;
-            }
-            const int32_t old = expert_in_[s];
-            if (old < 0) {  // a free slot beats any eviction
-                victim = s;
-                break;
-            }
-            const double sc = score(old);
-            if (victim < 0 || sc < best || (sc == best && last_[old] < best_last)) {
-                victim = s;
-                best = sc;
-                best_last = last_[old];
-            }
-        }
+        const int32_t victim = lowest_unpinned();
         // cannot fail: at most n_slots experts are pinned and `a` is not one of them yet
         a.slot = victim;
         a.evicted = expert_in_[victim];
@@ -74,7 +85,30 @@ void hybrid_policy::demote(int32_t e) {
 
 void hybrid_policy::promote(int32_t e) {
     freq_[e] = score(e) + 1.0;
-    last_[e] = now_;
+    last_[e] = clock_;
+}
+
+int32_t hybrid_policy::admit(int32_t e, int32_t & evicted) {
+    evicted = -1;
+    if (slot_of_[e] >= 0) {
+        return -1;
+    }
+    const int32_t s = lowest_unpinned();
+    if (s < 0) {
+        return -1;
+    }
+    const int32_t old = expert_in_[s];
+    if (old >= 0) {
+        if (!(score(e) > priority(old))) {
+            return -1;
+        }
+        slot_of_[old] = -1;
+        evicted = old;
+    }
+    expert_in_[s] = e;
+    slot_of_[e] = s;
+    pinned_[s] = now_;
+    return s;
 }
 
 void hybrid_policy::invalidate(int32_t slot) {
@@ -91,7 +125,9 @@ void hybrid_policy::clear() {
     std::fill(freq_.begin(), freq_.end(), 0.0);
     std::fill(last_.begin(), last_.end(), 0);
     std::fill(pinned_.begin(), pinned_.end(), 0);
+    std::fill(weight_.begin(), weight_.end(), 1.0f);
     now_ = 0;
+    clock_ = 0;
 }
 
 }  // namespace expert_pack

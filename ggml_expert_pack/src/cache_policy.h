@@ -32,8 +32,19 @@ public:
     void invalidate(int32_t slot);
     // A cached expert is worth little for now (the host-RAM tier: its expert is on the device): the next victim.
     void demote(int32_t expert);
-    // A cached expert is worth keeping again (the device evicted it): as if used now.
+    // A cached expert is worth keeping again (the device evicted it): as if used now. Also how a caller that
+    // keeps its own clock (set_clock) credits a use without a step.
     void promote(int32_t expert);
+    // The RAM tier's ranking (mode "spill"): an expert's eviction priority is its score times its weight
+    // (default 1; 0 while the expert is on the device, where its block is a spare copy). Scores are unchanged.
+    void set_weight(int32_t expert, float w) { weight_[expert] = w; }
+    // Decay scores by a clock the caller advances (the RAM tier: one tick per token step, so that its memory
+    // does not shorten with the number of layers); without it, each step() is one tick.
+    void set_clock(uint64_t t) { own_clock_ = false; clock_ = t; }
+    // Place `expert` (not cached) in the slot of lowest priority that the current step has not pinned, if its
+    // score beats that slot's priority (a free slot always loses). Pins the slot. Returns the slot, or -1 with
+    // nothing changed; `evicted` gets the expert the slot held (-1 if free).
+    int32_t admit(int32_t expert, int32_t & evicted);
     // Forget every cached expert (frequencies too).
     void clear();
 
@@ -42,10 +53,15 @@ public:
     int32_t expert_in(int32_t slot) const { return expert_in_[slot]; }  // -1 if free
 
 private:
-    double score(int32_t expert) const;
+    double score(int32_t expert) const;     // frequency decayed to the clock
+    double priority(int32_t expert) const;  // score x weight: what eviction compares
+    int32_t lowest_unpinned() const;        // -1 if every slot is pinned; a free slot first
 
     double half_life_;
-    uint64_t now_ = 0;
+    uint64_t now_ = 0;                // step counter (pinning)
+    bool own_clock_ = true;
+    uint64_t clock_ = 0;              // decay clock: now_ unless set_clock
+    std::vector<float> weight_;       // per expert
     std::vector<int32_t> slot_of_;    // expert -> slot, -1 if not cached
     std::vector<int32_t> expert_in_;  // slot -> expert, -1 if free
     std::vector<double> freq_;        // per expert, kept while evicted: frequency outlives residency

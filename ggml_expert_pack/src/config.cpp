@@ -73,8 +73,8 @@ config parse_config(const std::string & json_text) {
         else if (key == "prefetch")               c.prefetch = get_bool(key, v);
         else if (key == "ram_tier_mode") {
             c.ram_tier_mode = get_string(key, v, true);
-            if (c.ram_tier_mode != "victim" && c.ram_tier_mode != "inclusive") {
-                throw std::invalid_argument("expert_pack key 'ram_tier_mode' must be \"victim\" or \"inclusive\", got \"" +
+            if (c.ram_tier_mode != "spill" && c.ram_tier_mode != "victim" && c.ram_tier_mode != "inclusive") {
+                throw std::invalid_argument("expert_pack key 'ram_tier_mode' must be \"spill\", \"victim\" or \"inclusive\", got \"" +
                                             c.ram_tier_mode + "\"");
             }
         }

@@ -22,8 +22,11 @@ struct config {
     bool        verify_pack_sha256    = true;   // verify each block's checksum (XXH3-128) as it is read
     double      ram_cache_mib         = 0;      // host-RAM tier of whole expert blocks (pinned on a GPU); 0 = off
     std::string trace_path;                     // append the router's expert ids per step and layer; "" = off
-    std::string ram_tier_mode = "victim";       // victim: a block whose expert is on the device goes first and comes
-                                                // back to the front when the device evicts it; or inclusive
+    std::string ram_tier_mode = "spill";        // spill: blocks rank by popularity (a spare copy of an expert on the
+                                                // device goes first) and the device's popular victims are copied back
+                                                // into the tier; victim: the same without ranking or copying back (a
+                                                // block whose expert is on the device goes first, comes back to the
+                                                // front when the device evicts it); inclusive: every block read
     bool        prefetch              = false;  // read the next layer's predicted experts into the RAM tier while
                                                 // the device computes (needs ram_cache_mib; one thread of its own)
 

@@ -52,19 +52,21 @@ bool prefetcher::cancel(int32_t block) {
     return true;
 }
 
+std::vector<int32_t> prefetcher::cancel_queued() {
+    std::lock_guard<std::mutex> lk(mu_);
+    std::vector<int32_t> out(queue_.begin(), queue_.end());
+    for (int32_t b : out) {
+        jobs_.erase(b);
+    }
+    queue_.clear();
+    return out;
+}
+
 std::exception_ptr prefetcher::wait(int32_t block) {
     std::unique_lock<std::mutex> lk(mu_);
     auto it = jobs_.find(block);
     if (it == jobs_.end()) {
         return nullptr;
-    }
-    if (it->second.st == state::queued) {
-        // needed now: run it here rather than behind the other queued reads
-        queue_.erase(std::find(queue_.begin(), queue_.end(), block));
-        auto fn = std::move(it->second.fn);
-        jobs_.erase(it);
-        lk.unlock();
-        return run_catching(fn);
     }
     done_cv_.wait(lk, [&] { return jobs_.at(block).st == state::done; });
     it = jobs_.find(block);

@@ -4,9 +4,8 @@
 // block, and lets the provider drop a read that has not started (the guess turned out wrong, or a demand read
 // must go first) or wait for one that has.
 //
-// Demand first: the provider cancels every queued read its current step does not need before that step reads
-// anything, so a prefetch never sits in front of a demand miss; at most `threads` prefetch reads (the provider
-// uses one) can still be running then.
+// Demand first: the provider cancels every queued read before its next step reads anything, so a prefetch never
+// sits in front of a demand miss; at most `threads` prefetch reads (the provider uses one) can still be running then.
 #pragma once
 
 #include <condition_variable>
@@ -34,7 +33,10 @@ public:
     bool pending(int32_t block);
     // Drop block's read if it has not started; true if dropped (the block was never written).
     bool cancel(int32_t block);
-    // Wait for block's read (a queued one is still run) and forget it: its exception, null when it succeeded.
+    // Drop every read that has not started, at once (none starts in between); returns their blocks.
+    std::vector<int32_t> cancel_queued();
+    // Wait for block's read to finish and forget it: its exception, null when it succeeded. (The provider only
+    // waits for running reads: it drops the queued ones first.)
     std::exception_ptr wait(int32_t block);
     // The blocks with a read pending, in no particular order.
     std::vector<int32_t> pending_blocks();

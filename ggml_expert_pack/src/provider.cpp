@@ -103,6 +103,7 @@ struct expert_pack_provider {
     std::vector<hybrid_policy::access> ram_plan;   // scratch
     std::unique_ptr<prefetcher> pf;                // prefetch: background reads into RAM-tier blocks
     std::vector<char> pf_unused;                   // per RAM block: holds (or is reading) a prefetch not yet used
+    bool spill_tier = false;                       // ram_tier_mode "spill" (and a tier)
     FILE * trace = nullptr;                        // trace_path: the routing trace being recorded
     bool trace_header = false;                     // its header is written at the first attach
     uint64_t trace_step = 0;                       // steps seen, for the trace (reset_stats does not touch it)
@@ -153,6 +154,7 @@ struct expert_pack_provider {
             l->rounds.clear();
         }
         ram.reset();  // before the stages: its blocks may wait on their copies
+        spill_tier = false;
         stats.ram_blocks = 0;
         stats.ram_bytes = 0;
         stages.clear();
@@ -208,6 +210,8 @@ struct expert_pack_provider {
     void settle_prefetches(const expert_pack_layer * L, const std::vector<int32_t> & missing);
     void reclaim_block(int32_t b);
     bool cancel_prefetch(int32_t b);
+    void prefetch_dropped(int32_t b);
+    void spill(expert_pack_layer * L, size_t g, size_t n, const std::vector<size_t> & miss);
 };
 
 using clk = std::chrono::steady_clock;
@@ -281,8 +285,9 @@ void expert_pack_provider::record_trace(const layer_layout & lay, const ggml_ten
 // acquire has loaded what L needs (demand first). The predicted experts that are neither on N's device nor in the
 // RAM tier get RAM blocks and background reads, which run while the device computes L's experts and N's attention.
 // A guess only ever takes RAM-tier blocks (never a device slot, never a block the current step still copies from),
-// gains no frequency in the tier (a wrong guess is the tier's next victim), and at N's acquire the reads N does not
-// need are dropped before N reads anything itself. Output is never affected: a used prefetch is just a RAM hit.
+// gains no frequency in the tier (a wrong guess keeps the rank its expert had), and at N's acquire every read not
+// started yet is dropped before N reads anything itself (settle_prefetches). Output is never affected: a used
+// prefetch is just a RAM hit.
 void expert_pack_provider::prefetch(expert_pack_layer * N, const ggml_tensor * pred) {
     if (!pf || step_failed || !N->policy || N->resident) {
         return;
@@ -333,11 +338,15 @@ bool expert_pack_provider::cancel_prefetch(int32_t b) {
     if (!pf->cancel(b)) {
         return false;
     }
+    prefetch_dropped(b);
+    return true;
+}
+
+void expert_pack_provider::prefetch_dropped(int32_t b) {
     if (pf_unused[b]) {
         stats.prefetch_cancelled++;
         pf_unused[b] = 0;
     }
-    return true;
 }
 
 // Before block b gets other content: a prefetch read not yet started is dropped, one already running is waited for
@@ -355,11 +364,51 @@ void expert_pack_provider::reclaim_block(int32_t b) {
     }
 }
 
-// At layer L's acquire, before it reads anything: the queued prefetches L does not need are dropped (demand
-// first), the ones it needs are waited for (a queued one is read now), so every RAM-tier block L may take as a hit
-// holds a complete, verified expert. A failed prefetch read leaves its block empty: L reads that expert itself.
+// Spill (ram_tier_mode "spill"): an expert the device evicts in this group, whose block the tier no longer holds, is
+// copied back from its slot into the tier when it is more popular than the tier's least valued block. A copy out of
+// the device (tens of microseconds on PCIe) instead of a pack read (milliseconds) the next time it is selected: with
+// it, the tier holds the popular experts the device has no room for, not only those read recently. Called after the
+// tier's step for the group (its blocks are pinned) and before any copy into these slots, which the same copy stream
+// (or a synchronous copy on the CPU) orders after the spill.
+void expert_pack_provider::spill(expert_pack_layer * L, size_t g, size_t n, const std::vector<size_t> & miss) {
+    const layer_layout & lay = *L->layout;
+    for (size_t j = g; j < g + n; ++j) {
+        const auto & a = L->plan[miss[j]];
+        if (a.evicted < 0) {
+            continue;
+        }
+        const int32_t key = L->moe_index * man.n_experts + a.evicted;
+        int32_t old = -1;
+        const int32_t b = ram->policy().admit(key, old);
+        if (b < 0) {
+            continue;  // already in the tier, or less popular than everything there
+        }
+        reclaim_block(b);
+        ram->wait_copy(b);
+        try {
+            ram->copying(b, L->stage, L->stage->load_to(L->arena, a.slot, ram->block(b), lay.block_bytes));
+        } catch (...) {
+            ram->policy().invalidate(b);
+            throw;
+        }
+        stats.ram_spills++;
+        stats.ram_evictions += old >= 0;
+    }
+}
+
+// At layer L's acquire, before it reads anything: every prefetch that has not started is dropped, needed or not.
+// A needed one is then an ordinary miss, read by the read pool in parallel with L's other misses: waiting for the
+// prefetch thread to work through its queue would serialise reads that read_threads can run side by side (on the
+// H200, prefetch with 4 demand threads ran at 0.92x of the same tier without prefetch before this rule). So a
+// prefetch only ever gains the time its read ran during the compute of the layers before. A running read L needs
+// is waited for; one L does not need is left to finish (reclaim_block waits for it before its block is reused).
+// A failed prefetch read leaves its block empty: L reads that expert itself.
 void expert_pack_provider::settle_prefetches(const expert_pack_layer * L, const std::vector<int32_t> & missing) {
-    const std::vector<int32_t> pending = pf->pending_blocks();
+    for (int32_t b : pf->cancel_queued()) {
+        ram->policy().invalidate(b);  // the block holds nothing now
+        prefetch_dropped(b);
+    }
+    const std::vector<int32_t> pending = pf->pending_blocks();  // running, or finished and not yet collected
     if (pending.empty()) {
         return;
     }
@@ -370,13 +419,7 @@ void expert_pack_provider::settle_prefetches(const expert_pack_layer * L, const 
     for (int32_t b : pending) {
         const int32_t key = ram->policy().expert_in(b);
         const bool needed = key >= 0 && key / man.n_experts == L->moe_index && need[key % man.n_experts];
-        if (!needed) {
-            if (cancel_prefetch(b)) {
-                ram->policy().invalidate(b);  // the block holds nothing now
-            }
-            continue;  // a running read nobody needs now: reclaim_block waits for it before the block is reused
-        }
-        if (pf->wait(b)) {
+        if (needed && pf->wait(b)) {
             ram->policy().invalidate(b);
             pf_unused[b] = 0;
             stats.io_errors++;
@@ -401,6 +444,9 @@ void expert_pack_provider::acquire(expert_pack_layer * L, int32_t round, int32_t
     if (round == 0 && lay.layer <= last_layer) {
         step_failed = false;
         ++trace_step;
+        if (spill_tier) {
+            ram->policy().set_clock(trace_step);  // the tier's popularity decays per step, not per layer
+        }
         const uint64_t step = ++stats.steps;
         if (!cfg.stats_path.empty() && step % (uint64_t) cfg.stats_flush_interval == 0) {
             flush_stats();
@@ -455,6 +501,10 @@ void expert_pack_provider::acquire(expert_pack_layer * L, int32_t round, int32_t
                 stats.predicted_correct += seen[e] != 0;
             }
             L->predicted.clear();
+        }
+        if (spill_tier) {  // the tier ranks by popularity: every selection counts, hit or miss
+            for (int32_t e : cached) ram->policy().promote(L->moe_index * man.n_experts + e);
+            for (int32_t e : missing) ram->policy().promote(L->moe_index * man.n_experts + e);
         }
         if (pf) {
             settle_prefetches(L, missing);
@@ -562,10 +612,26 @@ void expert_pack_provider::acquire(expert_pack_layer * L, int32_t round, int32_t
                     }
                 }
             }
-            ram->policy().step(keys, ram_plan);  // cannot fail: n <= blocks, and the keys are distinct
+            if (spill_tier) {
+                // off the device now: their blocks rank by popularity again
+                for (size_t j = g; j < g + n; ++j) {
+                    const int32_t ev = L->plan[miss[j]].evicted;
+                    if (ev >= 0) ram->policy().set_weight(L->moe_index * man.n_experts + ev, 1.0f);
+                }
+            }
+            // cannot fail: n <= blocks, and the keys are distinct (spill: popularity was credited at round 0)
+            ram->policy().step(keys, ram_plan, /*use=*/!spill_tier);
+            if (spill_tier) {
+                try {
+                    spill(L, g, n, miss);  // before any copy into those slots (same copy stream, or synchronous)
+                } catch (...) {
+                    failure = std::current_exception();
+                }
+            }
             auto copy_out = [&](size_t j) {
                 const auto & a = L->plan[miss[j]];
                 const auto & r = ram_plan[j - g];
+                ram->order_after_copies(r.slot, L->stage);  // a spill into the block by another device's stream
                 ram->copying(r.slot, L->stage, L->stage->store_from(L->arena, a.slot, ram->block(r.slot), lay.block_bytes));
                 if (r.hit && pf && pf_unused[r.slot]) {
                     stats.prefetch_used++;
@@ -573,6 +639,8 @@ void expert_pack_provider::acquire(expert_pack_layer * L, int32_t round, int32_t
                 }
                 if (victim_tier) {
                     ram->policy().demote(keys[j - g]);  // on the device now: this block is the tier's first to go
+                } else if (spill_tier) {
+                    ram->policy().set_weight(keys[j - g], 0.0f);  // a spare copy while its expert is on the device
                 }
                 if (r.hit) {
                     stats.ram_hits++;
@@ -778,6 +846,11 @@ extern "C" void expert_pack_reset_stats(expert_pack_provider * p) {
 extern "C" void expert_pack_reset_cache(expert_pack_provider * p) {
     for (auto & [_, l] : p->layers) {
         if (l->policy) l->policy->clear();
+    }
+    if (p->spill_tier) {  // no expert is on a device now: every block ranks by popularity
+        for (int32_t key = 0; key < (int32_t) (p->man.layers.size() * p->man.n_experts); ++key) {
+            p->ram->policy().set_weight(key, 1.0f);
+        }
     }
 }
 
@@ -1012,7 +1085,9 @@ extern "C" int expert_pack_attach(expert_pack_provider * p, int n_layer, ggml_ba
                     break;
                 }
             }
-            p->ram = std::make_unique<ram_tier>(pin_dev, (int32_t) blocks, stride, (int32_t) n_keys);
+            p->spill_tier = p->cfg.ram_tier_mode == "spill";
+            p->ram = std::make_unique<ram_tier>(pin_dev, (int32_t) blocks, stride, (int32_t) n_keys,
+                                                p->spill_tier ? ram_tier::SPILL_HALF_LIFE : hybrid_policy::DEFAULT_HALF_LIFE);
             p->stats.ram_blocks = (uint64_t) blocks;
             p->stats.ram_bytes = p->ram->bytes();
             if (p->cfg.prefetch) {

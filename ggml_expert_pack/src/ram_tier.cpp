@@ -6,8 +6,8 @@
 
 namespace expert_pack {
 
-ram_tier::ram_tier(ggml_backend_dev_t dev, int32_t n_blocks, uint64_t block_bytes, int32_t n_keys)
-    : block_bytes_(block_bytes), policy_(n_blocks, n_keys), copies_(n_blocks) {
+ram_tier::ram_tier(ggml_backend_dev_t dev, int32_t n_blocks, uint64_t block_bytes, int32_t n_keys, double half_life)
+    : block_bytes_(block_bytes), policy_(n_blocks, n_keys, half_life), copies_(n_blocks) {
     if (n_blocks <= 0 || block_bytes == 0 || block_bytes % PACK_ALIGNMENT) {  // O_DIRECT reads land in blocks
         throw std::invalid_argument("ram tier: bad geometry");
     }

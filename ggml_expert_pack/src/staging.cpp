@@ -118,6 +118,23 @@ uint64_t staging::store_from(layer_arena & arena, int32_t slot, const uint8_t * 
         arena_store(arena, slot, src, n);  // synchronous: complete on return
         return 0;
     }
+    const size_t ev = next_event();
+    ggml_backend_tensor_set_async(copy_backend_, arena.bytes, src, off, n);
+    return ticket(ev);
+}
+
+uint64_t staging::load_to(const layer_arena & arena, int32_t slot, uint8_t * dst, size_t n) {
+    const uint64_t off = (uint64_t) slot * arena.slot_stride;
+    if (!copy_backend_ || arena.host_base) {
+        arena_load(arena, slot, dst, n);  // synchronous: complete on return
+        return 0;
+    }
+    const size_t ev = next_event();
+    ggml_backend_tensor_get_async(copy_backend_, arena.bytes, dst, off, n);
+    return ticket(ev);
+}
+
+size_t staging::next_event() {
     if (from_used_ == from_events_.size()) {
         ggml_backend_event_t ev = ggml_backend_event_new(dev_);
         if (!ev) {
@@ -125,8 +142,10 @@ uint64_t staging::store_from(layer_arena & arena, int32_t slot, const uint8_t * 
         }
         from_events_.push_back(ev);
     }
-    const size_t i = from_used_++;
-    ggml_backend_tensor_set_async(copy_backend_, arena.bytes, src, off, n);
+    return from_used_++;
+}
+
+uint64_t staging::ticket(size_t i) {
     ggml_backend_event_record(from_events_[i], copy_backend_);
     pending_ = true;
     return ((uint64_t) epoch_ << 32) | (uint64_t) (i + 1);

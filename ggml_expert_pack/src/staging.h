@@ -59,7 +59,11 @@ public:
     // On a GPU the copy is asynchronous, so `src` must be pinned memory that nobody overwrites until the copy
     // is complete: the returned ticket's wait(), or finish(), says when (0: already complete).
     uint64_t store_from(layer_arena & arena, int32_t slot, const uint8_t * src, size_t n);
-    // Wait until the copy of `ticket` (from store_from) is complete; no-op when it already is.
+    // Copy a slot's `n` bytes out into `dst` (pinned memory: a RAM-tier block), the other way. Queued on the same
+    // stream as the copies into slots, so a later store into that slot, or store_from `dst`, runs after it; the
+    // ticket says when `dst` holds the block (0: already).
+    uint64_t load_to(const layer_arena & arena, int32_t slot, uint8_t * dst, size_t n);
+    // Wait until the copy of `ticket` (from store_from or load_to) is complete; no-op when it already is.
     void wait(uint64_t ticket);
     // Wait until every copy issued since the last finish() is complete.
     void finish();
@@ -67,6 +71,9 @@ public:
     bool pinned() const { return copy_backend_ != nullptr; }
 
 private:
+    size_t next_event();        // an event for the next queued copy (created on first use)
+    uint64_t ticket(size_t ev);  // record it after that copy: the copy's ticket
+
     ggml_backend_dev_t dev_ = nullptr;
     ggml_backend_t copy_backend_ = nullptr;        // GPU: our own stream, separate from llama.cpp's compute stream
     std::unique_ptr<host_memory> mem_;

@@ -18,6 +18,7 @@ expert_pack_stats counters::snapshot() const {
     s.ram_hits = ram_hits.load();
     s.ram_misses = ram_misses.load();
     s.ram_evictions = ram_evictions.load();
+    s.ram_spills = ram_spills.load();
     s.ram_blocks = ram_blocks.load();
     s.ram_bytes = ram_bytes.load();
     s.prefetch_issued = prefetch_issued.load();
@@ -31,7 +32,7 @@ expert_pack_stats counters::snapshot() const {
 
 void counters::reset() {
     cache_hits = cache_misses = cache_evictions = pack_read_bytes = h2d_bytes = fallback_count = io_errors = steps = 0;
-    ram_hits = ram_misses = ram_evictions = 0;
+    ram_hits = ram_misses = ram_evictions = ram_spills = 0;
     prefetch_issued = prefetch_used = prefetch_wasted = prefetch_cancelled = predicted = predicted_correct = 0;
     acquire_ns = read_ns = copy_wait_ns = 0;
 }
@@ -50,9 +51,10 @@ std::string stats_json(const expert_pack_stats & s, const counters & c, const st
     std::string out = buf;
     const uint64_t ram_keys = s.ram_hits + s.ram_misses;
     snprintf(buf, sizeof(buf),
-             ",\"ram_hits\":%llu,\"ram_misses\":%llu,\"ram_evictions\":%llu,\"ram_blocks\":%llu,\"ram_bytes\":%llu,"
-             "\"ram_hit_rate\":%.6f",
+             ",\"ram_hits\":%llu,\"ram_misses\":%llu,\"ram_evictions\":%llu,\"ram_spills\":%llu,\"ram_blocks\":%llu,"
+             "\"ram_bytes\":%llu,\"ram_hit_rate\":%.6f",
              (unsigned long long) s.ram_hits, (unsigned long long) s.ram_misses, (unsigned long long) s.ram_evictions,
+             (unsigned long long) s.ram_spills,
              (unsigned long long) s.ram_blocks, (unsigned long long) s.ram_bytes,
              ram_keys ? (double) s.ram_hits / (double) ram_keys : 0.0);
     out += buf;

@@ -20,6 +20,7 @@ struct counters {
     std::atomic<uint64_t> ram_hits{0};
     std::atomic<uint64_t> ram_misses{0};
     std::atomic<uint64_t> ram_evictions{0};
+    std::atomic<uint64_t> ram_spills{0};
     std::atomic<uint64_t> ram_blocks{0};    // geometry, not a counter: reset() keeps it
     std::atomic<uint64_t> ram_bytes{0};
     std::atomic<uint64_t> prefetch_issued{0};
