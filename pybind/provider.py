@@ -123,6 +123,11 @@ class Provider:
         self._check()
         lib().expert_pack_test_distinct_round_slots(self._h, int(on))
 
+    def hold_prefetch(self, on: bool = True) -> None:
+        """Test seam: while on, no prefetch read starts, so every prefetch is dropped at the next layer's acquire."""
+        self._check()
+        lib().expert_pack_test_hold_prefetch(self._h, int(on))
+
     def inject_eio(self, after_reads: int) -> None:
         """Test seam: after `after_reads` more block reads, reads fail with EIO; -1 disarms."""
         self._check()

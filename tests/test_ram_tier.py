@@ -323,6 +323,23 @@ def test_prefetch_never_touches_the_device_cache(packs):
     assert got[True]["ram_hits"] > got[False]["ram_hits"] and got[True]["prefetch_used"] > 0
 
 
+def test_prefetches_dropped_before_their_reads_change_nothing_but_the_tier(packs):
+    """With every prefetch read held back (the test seam), each guess is dropped at the next layer's acquire: all
+    count as cancelled, none as used or wasted, the device cache sees the run without prefetch, no prefetch byte is
+    read, and the logits stay stock's."""
+    src, pack = packs("qwen3moe")
+    base = _decode(src, _provider(pack, K, 24), 64)[0]
+    p = _provider(pack, K, 24, prefetch=True)
+    p.hold_prefetch()
+    held = _decode_like_stock(src, p, 64)
+    assert held["prefetch_issued"] > 0 and held["prefetch_cancelled"] == held["prefetch_issued"]
+    assert held["prefetch_used"] == held["prefetch_wasted"] == 0
+    for k in ("cache_hits", "cache_misses", "cache_evictions", "h2d_bytes"):
+        assert held[k] == base[k], k
+    assert held["cache_misses"] == held["ram_hits"] + held["ram_misses"]
+    assert held["pack_read_bytes"] == held["ram_misses"] * base["pack_read_bytes"] // base["ram_misses"]
+
+
 def test_eio_during_prefetch_fails_only_the_request_then_recovers(packs):
     """Prefetch and demand reads fail alike after the fault: a failed prefetch only empties its block (the demand
     read then fails the step), and no block a failed prefetch was meant to fill is trusted afterwards."""

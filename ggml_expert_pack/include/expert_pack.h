@@ -153,6 +153,8 @@ EXPERT_PACK_API int expert_pack_take_step_error(expert_pack_provider * p);
 
 // Test seam: serve rounds on the CPU with the GPU's slot assignment (a token's slot ids distinct).
 EXPERT_PACK_API void expert_pack_test_distinct_round_slots(expert_pack_provider * p, int on);
+// Test seam: while on, no prefetch read starts (every prefetch is dropped at the next layer's acquire).
+EXPERT_PACK_API void expert_pack_test_hold_prefetch(expert_pack_provider * p, int on);
 // Test seam: after `n` more block reads, every read fails with EIO until called again with -1.
 EXPERT_PACK_API void expert_pack_test_inject_eio(expert_pack_provider * p, int64_t n);
 

@@ -41,6 +41,20 @@ bool prefetcher::pending(int32_t block) {
     return jobs_.count(block) != 0;
 }
 
+bool prefetcher::finished(int32_t block) {
+    std::lock_guard<std::mutex> lk(mu_);
+    auto it = jobs_.find(block);
+    return it != jobs_.end() && it->second.st == state::done;
+}
+
+void prefetcher::hold(bool on) {
+    {
+        std::lock_guard<std::mutex> lk(mu_);
+        held_ = on;
+    }
+    work_cv_.notify_all();
+}
+
 bool prefetcher::cancel(int32_t block) {
     std::lock_guard<std::mutex> lk(mu_);
     auto it = jobs_.find(block);
@@ -75,24 +89,14 @@ std::exception_ptr prefetcher::wait(int32_t block) {
     return err;
 }
 
-std::vector<int32_t> prefetcher::pending_blocks() {
-    std::lock_guard<std::mutex> lk(mu_);
-    std::vector<int32_t> out;
-    out.reserve(jobs_.size());
-    for (const auto & [b, _] : jobs_) {
-        out.push_back(b);
-    }
-    return out;
-}
-
 void prefetcher::worker() {
     for (;;) {
         int32_t block;
         std::function<void()> fn;
         {
             std::unique_lock<std::mutex> lk(mu_);
-            work_cv_.wait(lk, [this] { return stop_ || !queue_.empty(); });
-            if (queue_.empty()) {
+            work_cv_.wait(lk, [this] { return stop_ || (!queue_.empty() && !held_); });
+            if (stop_ || queue_.empty()) {
                 return;  // stopping
             }
             block = queue_.front();

@@ -31,6 +31,8 @@ public:
     void submit(int32_t block, std::function<void()> fn);
     // Whether block has a read queued, running, or finished but not yet collected by wait().
     bool pending(int32_t block);
+    // Whether block's read has finished (wait() then returns at once); false if none is pending.
+    bool finished(int32_t block);
     // Drop block's read if it has not started; true if dropped (the block was never written).
     bool cancel(int32_t block);
     // Drop every read that has not started, at once (none starts in between); returns their blocks.
@@ -38,8 +40,8 @@ public:
     // Wait for block's read to finish and forget it: its exception, null when it succeeded. (The provider only
     // waits for running reads: it drops the queued ones first.)
     std::exception_ptr wait(int32_t block);
-    // The blocks with a read pending, in no particular order.
-    std::vector<int32_t> pending_blocks();
+    // Test seam: while held, no queued read starts (so the provider drops every one of them).
+    void hold(bool on);
 
 private:
     void worker();
@@ -56,6 +58,7 @@ private:
     std::deque<int32_t> queue_;                 // blocks whose read waits for a thread, oldest first
     std::unordered_map<int32_t, job> jobs_;     // every pending block
     bool stop_ = false;
+    bool held_ = false;
 };
 
 }  // namespace expert_pack
