@@ -13,13 +13,12 @@ of policies; docs/POLICY.md compares policies). Designs, all without writing any
   exclusive   the device's victims are copied back into the tier (device-to-host), a RAM hit moves the block out
 Reports pack reads per token and the saving against `none`.
 
-A second table replays the runtime's own modes (ram_tier_mode) with the runtime's device policy (the
-frequency/recency hybrid, through the C API) and the tier's modes written again in Python:
-  none        no RAM tier
-  victim      a block whose expert is on the device goes first; the device's victims rank by eviction time
-  spill       blocks rank by popularity (score with a half-life of --spill-half-life steps; a block whose expert is on the
-              device goes first), and a victim the tier does not hold is copied back (device-to-host) when it is
-              more popular than the tier's least valued block
+A third table gives references for the whole hierarchy: one cache of as many experts as the device caches and the
+tier hold together, all layers in one pool, a token's experts (every layer's) pinned together, under LFU (evicts
+the expert used least so far), A0 (evicts the expert used least over the whole trace: popularity known in
+advance) and Belady (evicts the expert used furthest in the future). Belady's is close to the least any design of
+that much memory can read without prefetching (with or without copies between the tiers); A0 is what a ranking by
+popularity could reach with the future's popularity known.
 """
 from __future__ import annotations
 
@@ -167,6 +166,17 @@ def simulate_runtime(steps, n_layers: int, n_expert: int, vram_slots: int, ram_b
             "d2h_per_token": d2h / n_tok}
 
 
+def simulate_pool(steps, n_expert: int, capacity: int, policy: str) -> dict:
+    """One cache of `capacity` experts over all layers (keys layer * n_expert + expert), one step per token with
+    all of its layers' experts pinned; policy "lfu", "a0" or "belady" (ggml_expert_pack.policy_sim's)."""
+    from ggml_expert_pack import policy_sim
+    tokens = [[li * n_expert + x for li, experts in enumerate(tok) for x in experts] for tok in steps]
+    hits = {"lfu": policy_sim._lfu, "a0": policy_sim._a0, "belady": policy_sim._belady}[policy](tokens, capacity)
+    n_tok = len(steps)
+    return {"design": f"one pool, {policy}", "reads_per_token": (sum(len(s) for s in tokens) - hits) / n_tok,
+            "ram_hits_per_token": 0.0, "d2h_per_token": 0.0}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("trace", type=Path)
@@ -201,9 +211,17 @@ def main() -> int:
         r["saved"] = 1 - r["reads_per_token"] / rt[0]["reads_per_token"] if rt[0]["reads_per_token"] else 0.0
         print(f"| {r['design']} | {r['reads_per_token']:.2f} | {r['saved']:.1%} | {r['ram_hits_per_token']:.2f} | "
               f"{r['d2h_per_token']:.2f} |")
+    capacity = vram_slots * n_layers + ram_blocks
+    refs = [simulate_pool(steps, trace.n_expert, capacity, pol) for pol in ("lfu", "a0", "belady")]
+    print(f"\nReferences: one pool of {capacity} experts (the device caches and the tier together)")
+    print("| reference | pack reads / token | saved against the runtime's none |")
+    print("|---|---|---|")
+    for r in refs:
+        r["saved"] = 1 - r["reads_per_token"] / rt[0]["reads_per_token"] if rt[0]["reads_per_token"] else 0.0
+        print(f"| {r['design']} | {r['reads_per_token']:.2f} | {r['saved']:.1%} |")
     if args.out:
         args.out.write_text(json.dumps({"trace": str(args.trace), "vram_slots": vram_slots, "ram_blocks": ram_blocks,
-                                        "rows": rows, "runtime_modes": rt}, indent=1) + "\n")
+                                        "rows": rows, "runtime_modes": rt, "references": refs}, indent=1) + "\n")
     return 0
 
 
