@@ -115,10 +115,12 @@ def test_policy_replay_exact():
 
 
 def _reference_policy(trace, n_slots, n_experts, half_life=16.0):
-    """The same frequency/recency hybrid, written again in Python (src/cache_policy.cpp)."""
+    """The same frequency/recency hybrid, written again in Python as the plain scan of every slot per miss that
+    src/cache_policy.cpp replaced with an ordered index. Returns (hits, misses, evictions, each step's slots)."""
     slot_of, expert_in = [-1] * n_experts, [-1] * n_slots
     freq, last, pinned = [0.0] * n_experts, [0] * n_experts, [0] * n_slots
     now = hits = misses = evictions = 0
+    slots = []
 
     def score(e):
         return freq[e] * 2 ** (-(now - last[e]) / half_life)
@@ -149,17 +151,22 @@ def _reference_policy(trace, n_slots, n_experts, half_life=16.0):
                 evictions += 1
             expert_in[victim], slot_of[e], pinned[victim] = e, victim, now
             misses += 1
-    return hits, misses, evictions
+        slots.append([slot_of[e] for e in step])
+    return hits, misses, evictions, slots
 
 
-def test_policy_matches_reference_on_a_long_trace():
+@pytest.mark.parametrize("n_slots, n_experts, k, n_steps", [(9, 32, 4, 2000), (96, 512, 8, 1500)])
+def test_policy_matches_reference_on_a_long_trace(n_slots, n_experts, k, n_steps):
+    """Every step's slot assignment (not only the counts) is the plain scan's, on a small cache and on a larger one
+    whose index holds many ties and stale scores."""
     rng = random.Random(1)
-    weights = [1 / (r + 1) ** 0.8 for r in range(32)]
-    trace = [rng.choices(range(32), weights, k=4) for _ in range(2000)]
-    p = Policy(n_slots=9, n_experts=32)
-    for step in trace:
-        p.step(step)
-    assert (p.hits, p.misses, p.evictions) == _reference_policy(trace, 9, 32)
+    weights = [1 / (r + 1) ** 0.8 for r in range(n_experts)]
+    trace = [rng.choices(range(n_experts), weights, k=k) for _ in range(n_steps)]
+    p = Policy(n_slots=n_slots, n_experts=n_experts)
+    got = [p.step(step) for step in trace]
+    hits, misses, evictions, want = _reference_policy(trace, n_slots, n_experts)
+    assert (p.hits, p.misses, p.evictions) == (hits, misses, evictions)
+    assert got == want
 
 
 # ---- configuration and fail-closed start --------------------------------------------------------------------

@@ -5,37 +5,53 @@
 namespace expert_pack {
 
 hybrid_policy::hybrid_policy(int32_t n_slots, int32_t n_experts, double half_life)
-    : half_life_(half_life), slot_of_(n_experts, -1), expert_in_(n_slots, -1), freq_(n_experts, 0.0),
-      last_(n_experts, 0), pinned_(n_slots, 0), weight_(n_experts, 1.0f) {}
+    : half_life_(half_life), weight_(n_experts, 1.0f), slot_of_(n_experts, -1), expert_in_(n_slots, -1),
+      freq_(n_experts, 0.0), last_(n_experts, 0), pinned_(n_slots, 0), key_of_(n_slots) {
+    for (int32_t s = 0; s < n_slots; ++s) {
+        free_.insert(free_.end(), s);
+    }
+}
 
 double hybrid_policy::score(int32_t e) const {
     return freq_[e] * std::exp2(-double(clock_ - last_[e]) / half_life_);
 }
 
-double hybrid_policy::priority(int32_t e) const {
-    return score(e) * weight_[e];
+double hybrid_policy::unweighted_rank(int32_t e) const {
+    if (freq_[e] <= 0) {
+        return -INFINITY;  // never used (or demoted): below every used expert, ties go to the older use
+    }
+    return std::log2(freq_[e]) + double(last_[e]) / half_life_;
+}
+
+double hybrid_policy::rank(int32_t e) const {
+    return weight_[e] > 0 ? unweighted_rank(e) + std::log2((double) weight_[e]) : -INFINITY;
+}
+
+void hybrid_policy::unindex(int32_t s) {
+    order_.erase(key_of_[s]);
+}
+
+void hybrid_policy::reindex(int32_t s) {
+    order_.erase(key_of_[s]);  // no-op for a slot that was free
+    const int32_t e = expert_in_[s];
+    key_of_[s] = key{rank(e), last_[e], s};
+    order_.insert(key_of_[s]);
 }
 
 int32_t hybrid_policy::lowest_unpinned() const {
-    int32_t victim = -1;
-    double best = 0;
-    uint64_t best_last = 0;
-    for (int32_t s = 0; s < (int32_t) expert_in_.size(); ++s) {
-        if (pinned_[s] == now_) {
-            continue;
-        }
-        const int32_t old = expert_in_[s];
-        if (old < 0) {  // a free slot beats any eviction
+    for (int32_t s : free_) {  // a free slot beats any eviction
+        if (pinned_[s] != now_) {
             return s;
         }
-        const double p = priority(old);
-        if (victim < 0 || p < best || (p == best && last_[old] < best_last)) {
-            victim = s;
-            best = p;
-            best_last = last_[old];
+    }
+    // at most the step's own experts are pinned: this skips no more than those
+    for (const key & k : order_) {
+        const int32_t s = std::get<2>(k);
+        if (pinned_[s] != now_) {
+            return s;
         }
     }
-    return victim;
+    return -1;
 }
 
 bool hybrid_policy::step(const std::vector<int32_t> & unique, std::vector<access> & out, bool use) {
@@ -57,6 +73,9 @@ bool hybrid_policy::step(const std::vector<int32_t> & unique, std::vector<access
         const int32_t s = slot_of_[e];
         if (s >= 0) {
             pinned_[s] = now_;
+            if (use) {
+                reindex(s);
+            }
         }
         out.push_back({e, s, s >= 0, -1});
     }
@@ -70,10 +89,13 @@ bool hybrid_policy::step(const std::vector<int32_t> & unique, std::vector<access
         a.evicted = expert_in_[victim];
         if (a.evicted >= 0) {
             slot_of_[a.evicted] = -1;
+        } else {
+            free_.erase(victim);
         }
         expert_in_[victim] = a.expert;
         slot_of_[a.expert] = victim;
         pinned_[victim] = now_;
+        reindex(victim);
     }
     return true;
 }
@@ -81,11 +103,24 @@ bool hybrid_policy::step(const std::vector<int32_t> & unique, std::vector<access
 void hybrid_policy::demote(int32_t e) {
     freq_[e] = 0.0;
     last_[e] = 0;
+    if (slot_of_[e] >= 0) {
+        reindex(slot_of_[e]);
+    }
 }
 
 void hybrid_policy::promote(int32_t e) {
     freq_[e] = score(e) + 1.0;
     last_[e] = clock_;
+    if (slot_of_[e] >= 0) {
+        reindex(slot_of_[e]);
+    }
+}
+
+void hybrid_policy::set_weight(int32_t e, float w) {
+    weight_[e] = w;
+    if (slot_of_[e] >= 0) {
+        reindex(slot_of_[e]);
+    }
 }
 
 int32_t hybrid_policy::admit(int32_t e, int32_t & evicted) {
@@ -99,15 +134,18 @@ int32_t hybrid_policy::admit(int32_t e, int32_t & evicted) {
     }
     const int32_t old = expert_in_[s];
     if (old >= 0) {
-        if (!(score(e) > priority(old))) {
+        if (!(unweighted_rank(e) > rank(old))) {
             return -1;
         }
         slot_of_[old] = -1;
         evicted = old;
+    } else {
+        free_.erase(s);
     }
     expert_in_[s] = e;
     slot_of_[e] = s;
     pinned_[s] = now_;
+    reindex(s);
     return s;
 }
 
@@ -115,6 +153,8 @@ void hybrid_policy::invalidate(int32_t slot) {
     const int32_t e = expert_in_[slot];
     if (e >= 0) {
         slot_of_[e] = -1;
+        unindex(slot);
+        free_.insert(slot);
     }
     expert_in_[slot] = -1;
 }
@@ -126,6 +166,11 @@ void hybrid_policy::clear() {
     std::fill(last_.begin(), last_.end(), 0);
     std::fill(pinned_.begin(), pinned_.end(), 0);
     std::fill(weight_.begin(), weight_.end(), 1.0f);
+    order_.clear();
+    free_.clear();
+    for (int32_t s = 0; s < n_slots(); ++s) {
+        free_.insert(free_.end(), s);
+    }
     now_ = 0;
     clock_ = 0;
 }
