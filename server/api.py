@@ -375,7 +375,8 @@ def metrics_text(engine: Engine, pack: dict | None) -> str:
                 rows.append((f"expert_pack_{k}_total", "counter", h, pack[k]))
         for k, h in (("acquire_ms", "Time in the acquire op (lookups, reads, copies)."),
                      ("read_ms", "Time spent reading the pack."),
-                     ("copy_wait_ms", "Time waiting for staging buffers and copies.")):
+                     ("copy_wait_ms", "Time waiting for staging buffers and copies."),
+                     ("prefetch_wait_ms", "Time the graph's expert ops waited for running prefetch reads.")):
             if k in pack:
                 rows.append((f"expert_pack_{k[:-3]}_seconds_total", "counter", h, float(pack[k]) / 1e3))
         for k, h in (("ram_blocks", "Expert blocks the host-RAM tier holds (0: off)."),

@@ -115,6 +115,8 @@ def test_llama_server_with_prefetch_answers_like_stock(packs, tmp_path):
     assert got["content"] == want["content"] and len(got["content"]) > 0
     assert m["prefetch_issued"] > 0 and m["predicted"] > 0
     assert m["io_errors"] == 0
+    for k in ("acquire_seconds", "read_seconds", "copy_wait_seconds", "prefetch_wait_seconds"):  # the step profile
+        assert m[k] >= 0, k
 
 
 def test_llama_server_refuses_a_bad_pack(packs, tmp_path):

@@ -309,6 +309,7 @@ def test_prefetch_serves_misses_from_the_ram_tier(packs):
     _prefetch_counters_hold(c)
     assert c["predicted_correct"] > 0 and c["prefetch_used"] > 0
     assert s["prediction_accuracy"] == pytest.approx(c["predicted_correct"] / c["predicted"], abs=1e-6)
+    assert s["prefetch_wait_ms"] >= 0  # the graph's ops waiting for running prefetch reads
     for k in ("prefetch_issued", "prefetch_used", "prefetch_wasted", "prefetch_cancelled"):
         assert s[k] == c[k]
 

@@ -189,6 +189,8 @@ def test_metrics_parse(server):
         assert fams[f"expert_pack_{k}"].type == "counter", k
     for k in ("ram_blocks", "ram_bytes"):
         assert fams[f"expert_pack_{k}"].type == "gauge", k
+    for k in ("acquire", "read", "copy_wait", "prefetch_wait"):  # the step profile, from the stats file's timings
+        assert fams[f"expert_pack_{k}_seconds"].type == "counter", k
     # the default cache holds every expert here (preloaded, never a miss), so the RAM tier is not even allocated
     # and every cache miss (the preload) was a pack read
     assert value["expert_pack_ram_misses"] == value["expert_pack_cache_misses"] > 0

@@ -357,7 +357,9 @@ void expert_pack_provider::reclaim_block(int32_t b) {
         return;
     }
     if (pf->pending(b) && !cancel_prefetch(b)) {
+        const auto t0 = clk::now();
         (void) pf->wait(b);
+        stats.prefetch_wait_ns += ns_since(t0);
     }
     if (pf_unused[b]) {
         stats.prefetch_wasted++;
@@ -658,7 +660,10 @@ void expert_pack_provider::acquire(expert_pack_layer * L, int32_t round, int32_t
                                 continue;
                             }
                             ++next;
-                            if (pf->wait(r.slot)) {
+                            const auto t0 = clk::now();
+                            const bool failed = pf->wait(r.slot) != nullptr;
+                            stats.prefetch_wait_ns += ns_since(t0);
+                            if (failed) {
                                 stats.io_errors++;
                                 pf_unused[r.slot] = 0;
                                 reread[j - g] = 1;

@@ -34,7 +34,7 @@ void counters::reset() {
     cache_hits = cache_misses = cache_evictions = pack_read_bytes = h2d_bytes = fallback_count = io_errors = steps = 0;
     ram_hits = ram_misses = ram_evictions = ram_spills = 0;
     prefetch_issued = prefetch_used = prefetch_wasted = prefetch_cancelled = predicted = predicted_correct = 0;
-    acquire_ns = read_ns = copy_wait_ns = 0;
+    acquire_ns = read_ns = copy_wait_ns = prefetch_wait_ns = 0;
 }
 
 std::string stats_json(const expert_pack_stats & s, const counters & c, const std::string & extra) {
@@ -66,8 +66,9 @@ std::string stats_json(const expert_pack_stats & s, const counters & c, const st
              (unsigned long long) s.predicted, (unsigned long long) s.predicted_correct,
              s.predicted ? (double) s.predicted_correct / (double) s.predicted : 0.0);
     out += buf;
-    snprintf(buf, sizeof(buf), ",\"acquire_ms\":%.3f,\"read_ms\":%.3f,\"copy_wait_ms\":%.3f",
-             c.acquire_ns.load() / 1e6, c.read_ns.load() / 1e6, c.copy_wait_ns.load() / 1e6);
+    snprintf(buf, sizeof(buf), ",\"acquire_ms\":%.3f,\"read_ms\":%.3f,\"copy_wait_ms\":%.3f,\"prefetch_wait_ms\":%.3f",
+             c.acquire_ns.load() / 1e6, c.read_ns.load() / 1e6, c.copy_wait_ns.load() / 1e6,
+             c.prefetch_wait_ns.load() / 1e6);
     out += buf;
     if (!extra.empty()) {
         out += "," + extra;

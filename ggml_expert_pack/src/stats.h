@@ -33,6 +33,8 @@ struct counters {
     std::atomic<uint64_t> acquire_ns{0};    // inside the graph op, all of it
     std::atomic<uint64_t> read_ns{0};       // inside pack reads
     std::atomic<uint64_t> copy_wait_ns{0};  // waiting for copies into the cache to complete
+    std::atomic<uint64_t> prefetch_wait_ns{0};  // the graph's ops waiting for running prefetch reads (one the step
+                                                // needs, or one whose block is to be reused)
 
     expert_pack_stats snapshot() const;
     void reset();
