@@ -200,6 +200,22 @@ def test_ram_tier_below_one_block_is_a_startup_error(packs):
         p.close()
 
 
+def test_ram_tier_larger_than_the_free_memory_is_a_startup_error(packs, monkeypatch):
+    """A tier that this process cannot take (MemAvailable, or a cgroup's memory.max less its usage) fails closed at
+    load, naming the key and both sizes, instead of swapping or being OOM-killed later."""
+    src, pack = packs("qwen3moe")
+    monkeypatch.setenv("EXPERT_PACK_TEST_MEM_AVAILABLE_MIB", "0.5")  # test seam: stands in for MemAvailable
+    p = _provider(pack, 2 * K + 1, 24)
+    try:
+        with pytest.raises(RuntimeError, match=r"'ram_cache_mib' asks for a host-RAM tier of [0-9.]+ MiB \(24 blocks "
+                                               r"of .* MiB\), but this process can take only 0\.5 MiB more"):
+            run(src, p, n_decode=1)
+    finally:
+        p.close()
+    monkeypatch.delenv("EXPERT_PACK_TEST_MEM_AVAILABLE_MIB")
+    _decode(src, _provider(pack, 2 * K + 1, 24), 1)  # the real headroom of this machine takes it
+
+
 # ---- concurrent miss reads (read_threads) -------------------------------------------------------------------
 
 @pytest.mark.parametrize("ram_blocks", [None, 5, 24], ids=["staging", "ram-grouped", "ram-evicting"])

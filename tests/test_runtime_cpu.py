@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shutil
 
 import numpy as np
@@ -245,8 +246,15 @@ def test_cache_below_one_token_is_a_startup_error(model_and_pack):
     src, pack = model_and_pack("q4_k")
     p = Provider.open(pack, cache_vram_mib=cache_mib_for_slots(pack, K - 1), cache_vram_reserve_mib=0)
     try:
-        with pytest.raises(RuntimeError, match=r"holds 3 slot\(s\) per layer .* one token needs 4 experts .* at least"):
+        with pytest.raises(RuntimeError, match=r"holds 3 slot\(s\) per layer .* one token needs 4 experts .* at least") as e:
             run(src, p)
+    finally:
+        p.close()
+    # the budget the message names is enough
+    least = float(re.search(r"at least ([0-9.]+) MiB", str(e.value)).group(1))
+    p = Provider.open(pack, cache_vram_mib=least, cache_vram_reserve_mib=0)
+    try:
+        assert run(src, p, n_decode=1).error == 0
     finally:
         p.close()
 

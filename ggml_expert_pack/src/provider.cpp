@@ -7,6 +7,7 @@
 #include "config.h"
 #include "io_engine.h"
 #include "manifest.h"
+#include "memory_limit.h"
 #include "prefetch.h"
 #include "ram_tier.h"
 #include "read_pool.h"
@@ -1053,6 +1054,10 @@ extern "C" int expert_pack_attach(expert_pack_provider * p, int n_layer, ggml_ba
             }
             slots = std::min<int64_t>(slots, p->man.n_experts);
             if (slots < n_expert_used) {
+                // the least budget that holds one token's experts (plus the all-zero slot unless that is every
+                // expert), rounded up to the 0.1 MiB printed
+                const int64_t need = n_expert_used < p->man.n_experts ? n_expert_used + 1 : n_expert_used;
+                const double least_mib = std::ceil((per_slot * need + fixed) / MiB * 10) / 10;
                 char buf[512];
                 snprintf(buf, sizeof(buf),
                          "expert cache too small on %s: %.1f MiB (cache_vram_mib %.1f, free %.0f MiB - reserve %.0f MiB) "
@@ -1060,7 +1065,7 @@ extern "C" int expert_pack_attach(expert_pack_provider * p, int n_layer, ggml_ba
                          "in each layer: at least %.1f MiB",
                          ggml_backend_dev_name(dev), budget / MiB, p->cfg.cache_vram_mib, free_mem / MiB,
                          p->cfg.cache_vram_reserve_mib, (long long) std::max<int64_t>(slots, 0), ls.size(),
-                         per_slot / ls.size() / MiB, n_expert_used, (per_slot * n_expert_used + fixed) / MiB);
+                         per_slot / ls.size() / MiB, n_expert_used, least_mib);
                 throw std::runtime_error(buf);
             }
             ggml_backend_buffer_type_t buft = dev == cpu ? ggml_backend_cpu_buffer_type() : ggml_backend_dev_buffer_type(dev);
@@ -1096,6 +1101,17 @@ extern "C" int expert_pack_attach(expert_pack_provider * p, int n_layer, ggml_ba
                 char buf[256];
                 snprintf(buf, sizeof(buf), "expert_pack key 'ram_cache_mib' (%.3f) holds no expert block of %.2f MiB: "
                          "use at least %.2f, or 0 to turn the RAM tier off", p->cfg.ram_cache_mib, stride / MiB, stride / MiB);
+                throw std::runtime_error(buf);
+            }
+            // fail closed rather than swap or be OOM-killed later (pinned memory cannot be reclaimed, and counts
+            // against a cgroup's memory.max)
+            const memory_headroom room = host_memory_headroom();
+            if ((uint64_t) blocks * stride > room.bytes) {
+                char buf[512];
+                snprintf(buf, sizeof(buf), "expert_pack key 'ram_cache_mib' asks for a host-RAM tier of %.1f MiB (%lld "
+                         "blocks of %.2f MiB), but this process can take only %.1f MiB more (%s): lower it "
+                         "(docs/ARCHITECTURE.md, \"Sizing the RAM tier\")", blocks * stride / MiB, (long long) blocks,
+                         stride / MiB, room.bytes / MiB, room.source.c_str());
                 throw std::runtime_error(buf);
             }
             ggml_backend_dev_t pin_dev = nullptr;  // pinned for the GPUs' copies when a GPU holds arenas
