@@ -93,6 +93,8 @@ struct expert_pack_layer {
     std::map<std::pair<int32_t, int32_t>, std::unique_ptr<expert_pack_round>> rounds;
 };
 
+struct miss_load;
+
 struct expert_pack_provider {
     config cfg;
     manifest man;
@@ -214,6 +216,55 @@ struct expert_pack_provider {
     bool cancel_prefetch(int32_t b);
     void prefetch_dropped(int32_t b);
     void spill(expert_pack_layer * L, size_t g, size_t n, const std::vector<size_t> & miss);
+    void load_via_staging(miss_load & m);
+    void load_via_ram_tier(miss_load & m);
+    bool order_step(expert_pack_layer * L, const ggml_tensor * ids);
+    void map_round_slots(const expert_pack_layer * L, const std::vector<int32_t> & unique, const ggml_tensor * ids,
+                         int32_t * out, std::vector<float> * mask) const;
+};
+
+// The device-cache misses of one acquire on their way into their slots (from the pack through a staging buffer, or
+// through the RAM tier). Reads go to the read pool (read_threads; inline with 1) and are collected in the order they
+// land; each landed block's copy into its slot starts at once. After the first failure nothing more is submitted or
+// copied, and the reads still in flight are drained (they write into our buffers) before the load returns.
+struct miss_load {
+    expert_pack_provider & p;
+    expert_pack_layer * L;
+    const layer_layout & lay;
+    std::vector<size_t> miss;    // the plan's misses (indices into L->plan), in plan order
+    std::vector<char> stored;    // miss j's expert is in its device slot
+    uint64_t misses = 0, evictions = 0;
+    std::exception_ptr failure;  // the first one
+    size_t outstanding = 0;      // reads submitted and not yet collected
+
+    miss_load(expert_pack_provider & p, expert_pack_layer * L) : p(p), L(L), lay(*L->layout) {
+        for (size_t i = 0; i < L->plan.size(); ++i) {
+            if (!L->plan[i].hit) miss.push_back(i);
+        }
+        stored.assign(miss.size(), 0);
+    }
+
+    // miss j's expert is in its slot (or its copy is queued on the copy stream, which finish() completes)
+    void loaded(size_t j) {
+        p.stats.h2d_bytes += lay.block_bytes;
+        ++misses;
+        evictions += L->plan[miss[j]].evicted >= 0;
+        stored[j] = 1;
+    }
+
+    // the next read to land: on_read(j) unless a read has failed
+    template <class F> void collect(const F & on_read) {
+        auto [j, err] = p.reads->next();
+        --outstanding;
+        if (err && !failure) failure = err;
+        if (!failure) on_read(j);
+    }
+
+    void submit_read(size_t j, uint8_t * dst) {
+        const int32_t e = L->plan[miss[j]].expert;
+        ++outstanding;
+        p.reads->submit(j, [pp = &p, l = &lay, e, dst] { pp->read_block(*l, e, dst); });
+    }
 };
 
 using clk = std::chrono::steady_clock;
@@ -416,6 +467,262 @@ void expert_pack_provider::settle_prefetches() {
     }
 }
 
+// pack -> staging buffer -> slot. A staging buffer comes back after n_buffers() acquires, so miss j is submitted
+// only once miss j - n_buffers() is in its slot (acquire then waits for that copy).
+void expert_pack_provider::load_via_staging(miss_load & m) {
+    expert_pack_layer * L = m.L;
+    const layer_layout & lay = m.lay;
+    const size_t nb = L->stage->n_buffers();
+    std::vector<size_t> buf_of(m.miss.size());
+    auto on_read = [&](size_t j) {
+        L->stage->store(L->arena, L->plan[m.miss[j]].slot, lay.block_bytes, buf_of[j]);  // asynchronous on a GPU
+        stats.ram_misses++;
+        m.loaded(j);
+    };
+    size_t next = 0;
+    while ((!m.failure && next < m.miss.size()) || m.outstanding) {
+        try {
+            if (!m.failure && next < m.miss.size() && (next < nb || m.stored[next - nb]) && !reads->ready()) {
+                const auto t0 = clk::now();
+                uint8_t * buf = L->stage->acquire(&buf_of[next]);
+                stats.copy_wait_ns += ns_since(t0);
+                m.submit_read(next++, buf);
+            } else {
+                m.collect(on_read);
+            }
+        } catch (...) {
+            if (!m.failure) m.failure = std::current_exception();
+        }
+    }
+}
+
+// RAM block -> slot; a RAM miss is first read from the pack into its block (each read has its own block). The
+// misses go through the tier in groups of at most its block count (one policy step each, which pins the group's
+// blocks); between groups every copy completes, so the next group may evict the previous one's blocks.
+void expert_pack_provider::load_via_ram_tier(miss_load & m) {
+    expert_pack_layer * L = m.L;
+    const layer_layout & lay = m.lay;
+    const size_t per_group = (size_t) ram->n_blocks();
+    const bool victim_tier = cfg.ram_tier_mode == "victim";
+    std::vector<int32_t> keys;
+    for (size_t g = 0; g < m.miss.size() && !m.failure; g += per_group) {
+        const size_t n = std::min(per_group, m.miss.size() - g);
+        if (g > 0) {
+            L->stage->finish();
+        }
+        keys.clear();
+        for (size_t j = g; j < g + n; ++j) {
+            keys.push_back(L->moe_index * man.n_experts + L->plan[m.miss[j]].expert);
+        }
+        if (victim_tier) {
+            // the device just evicted these experts: their blocks (if still here) hold what the device does not
+            for (size_t j = g; j < g + n; ++j) {
+                const int32_t ev = L->plan[m.miss[j]].evicted;
+                if (ev >= 0 && ram->policy().slot_of(L->moe_index * man.n_experts + ev) >= 0) {
+                    ram->policy().promote(L->moe_index * man.n_experts + ev);
+                }
+            }
+        }
+        if (spill_tier) {
+            // off the device now: their blocks rank by popularity again
+            for (size_t j = g; j < g + n; ++j) {
+                const int32_t ev = L->plan[m.miss[j]].evicted;
+                if (ev >= 0) ram->policy().set_weight(L->moe_index * man.n_experts + ev, 1.0f);
+            }
+        }
+        // cannot fail: n <= blocks, and the keys are distinct (spill: popularity was credited at round 0)
+        ram->policy().step(keys, ram_plan, /*use=*/!spill_tier);
+        if (spill_tier) {
+            try {
+                spill(L, g, n, m.miss);  // before any copy into those slots (same copy stream, or synchronous)
+            } catch (...) {
+                m.failure = std::current_exception();
+            }
+        }
+        // A hit whose block a prefetch read is still writing goes last: every read of the group is submitted
+        // before that read is waited for. If it failed, the block holds nothing and is read again here.
+        std::vector<size_t> order, late;
+        std::vector<char> reread(n, 0);
+        for (size_t j = g; j < g + n; ++j) {
+            const auto & r = ram_plan[j - g];
+            (r.hit && pf && pf->pending(r.slot) ? late : order).push_back(j);
+        }
+        order.insert(order.end(), late.begin(), late.end());
+        auto copy_out = [&](size_t j) {
+            const auto & a = L->plan[m.miss[j]];
+            const auto & r = ram_plan[j - g];
+            const bool hit = r.hit && !reread[j - g];
+            ram->order_after_copies(r.slot, L->stage);  // a spill into the block by another device's stream
+            ram->copying(r.slot, L->stage, L->stage->store_from(L->arena, a.slot, ram->block(r.slot), lay.block_bytes));
+            if (hit && pf && pf_unused[r.slot]) {
+                stats.prefetch_used++;
+                pf_unused[r.slot] = 0;
+            }
+            if (victim_tier) {
+                ram->policy().demote(keys[j - g]);  // on the device now: this block is the tier's first to go
+            } else if (spill_tier) {
+                ram->policy().set_weight(keys[j - g], 0.0f);  // a spare copy while its expert is on the device
+            }
+            if (hit) {
+                stats.ram_hits++;
+            } else {
+                stats.ram_misses++;
+                stats.ram_evictions += !r.hit && r.evicted >= 0;
+            }
+            m.loaded(j);
+        };
+        size_t next = 0;
+        while ((!m.failure && next < n) || m.outstanding) {
+            try {
+                if (!m.failure && next < n && !reads->ready()) {
+                    const size_t j = order[next];
+                    const auto & r = ram_plan[j - g];
+                    if (r.hit && pf && pf->pending(r.slot)) {
+                        if (m.outstanding && !pf->finished(r.slot)) {
+                            m.collect(copy_out);  // copy what lands while the prefetch read runs
+                            continue;
+                        }
+                        ++next;
+                        const auto t0 = clk::now();
+                        const bool failed = pf->wait(r.slot) != nullptr;
+                        stats.prefetch_wait_ns += ns_since(t0);
+                        if (failed) {
+                            stats.io_errors++;
+                            pf_unused[r.slot] = 0;
+                            reread[j - g] = 1;
+                            m.submit_read(j, ram->block(r.slot));
+                        } else {
+                            copy_out(j);
+                        }
+                    } else if (r.hit) {
+                        ++next;
+                        copy_out(j);
+                    } else {
+                        reclaim_block(r.slot);   // nor one a prefetch read may still write
+                        ram->wait_copy(r.slot);  // never overwrite a block whose copy may be in flight
+                        ++next;
+                        m.submit_read(j, ram->block(r.slot));
+                    }
+                } else {
+                    m.collect(copy_out);
+                }
+            } catch (...) {
+                if (!m.failure) m.failure = std::current_exception();
+            }
+        }
+        if (m.failure) {
+            // a block of this group that was to receive a read but did not reach its slot is not trusted
+            for (size_t j = g; j < g + n; ++j) {
+                if ((!ram_plan[j - g].hit || reread[j - g]) && !m.stored[j]) {
+                    ram->policy().invalidate(ram_plan[j - g].slot);
+                }
+            }
+        }
+    }
+}
+
+// A round: the pairs it serves read their experts' slots (mask 1). Every other pair gets a zero input (mask 0),
+// so its output is an exact zero whatever its slot holds. On the CPU those pairs read the all-zero slot: the
+// served slots then see exactly the rows they see in stock llama.cpp, so the kernels tile them alike and the
+// result is bit-identical. On a GPU a token's k slot ids must be distinct (mul_mat_id's id helper keeps one pair
+// per token and expert; duplicates left rows unmapped and it read out of bounds): there each other pair reads a
+// slot its token does not use, preferring the zero slot and slots outside this round.
+void expert_pack_provider::map_round_slots(const expert_pack_layer * L, const std::vector<int32_t> & unique,
+                                           const ggml_tensor * ids, int32_t * out, std::vector<float> * mask) const {
+    const int64_t k = ids->ne[0];
+    const int64_t n_tokens = ids->ne[1];
+    std::vector<char> in_round(man.n_experts, 0);
+    for (int32_t e : unique) {
+        in_round[e] = 1;
+    }
+    const bool distinct = L->arena.host_base == nullptr || test_distinct_slots;  // device memory (or the test seam)
+    const int32_t n_arena = L->arena.n_slots;
+    std::vector<int32_t> spare;  // slots for the other pairs on a GPU, best first
+    if (distinct) {
+        std::vector<char> served(n_arena, 0);
+        for (int32_t e : unique) {
+            served[L->policy->slot_of(e)] = 1;
+        }
+        if (L->zero_slot >= 0) spare.push_back(L->zero_slot);
+        for (int32_t s = 0; s < n_arena; ++s) {
+            if (!served[s] && s != L->zero_slot) spare.push_back(s);
+        }
+        for (int32_t s = 0; s < n_arena; ++s) {
+            if (served[s]) spare.push_back(s);
+        }
+    }
+    std::vector<char> used(n_arena, 0);
+    for (int64_t t = 0; t < n_tokens; ++t) {
+        const int32_t * row = (const int32_t *) ((const char *) ids->data + t * ids->nb[1]);
+        if (distinct) std::fill(used.begin(), used.end(), 0);
+        for (int64_t j = 0; j < k; ++j) {
+            if (in_round[row[j]]) {
+                out[t * k + j] = L->policy->slot_of(row[j]);
+                (*mask)[t * k + j] = 1.0f;
+                if (distinct) used[out[t * k + j]] = 1;
+            }
+        }
+        size_t next = 0;
+        for (int64_t j = 0; j < k; ++j) {
+            if (in_round[row[j]]) {
+                continue;
+            }
+            if (!distinct) {
+                out[t * k + j] = L->zero_slot;
+                continue;
+            }
+            while (used[spare[next]]) ++next;  // k <= n_arena: a free one always exists
+            out[t * k + j] = spare[next];
+            used[spare[next]] = 1;
+        }
+    }
+}
+
+// Round 0 of a step: the distinct experts it needs, in first-use order, those already cached first (so that a
+// round's group reuses the cache), into L->step_order; scores the prediction made for it, credits the tier's
+// popularity, settles the prefetches, records the trace. False (the step failed) on an expert id out of range.
+bool expert_pack_provider::order_step(expert_pack_layer * L, const ggml_tensor * ids) {
+    const int64_t k = ids->ne[0];
+    const int64_t n_tokens = ids->ne[1];
+    std::vector<int32_t> cached, missing;
+    std::vector<char> seen(man.n_experts, 0);
+    for (int64_t t = 0; t < n_tokens; ++t) {
+        const int32_t * row = (const int32_t *) ((const char *) ids->data + t * ids->nb[1]);
+        for (int64_t j = 0; j < k; ++j) {
+            const int32_t e = row[j];
+            if (e < 0 || e >= man.n_experts) {
+                fail_step("layer " + std::to_string(L->layout->layer) + ": router chose expert " +
+                          std::to_string(e) + ", the pack has " + std::to_string(man.n_experts));
+                return false;
+            }
+            if (!seen[e]) {
+                seen[e] = 1;
+                (L->policy->slot_of(e) >= 0 ? cached : missing).push_back(e);
+            }
+        }
+    }
+    if (!L->predicted.empty()) {  // how good was the prediction made for this step at the previous layer
+        stats.predicted += L->predicted.size();
+        for (int32_t e : L->predicted) {
+            stats.predicted_correct += seen[e] != 0;
+        }
+        L->predicted.clear();
+    }
+    if (spill_tier) {  // the tier ranks by popularity: every selection counts, hit or miss
+        for (int32_t e : cached) ram->policy().promote(L->moe_index * man.n_experts + e);
+        for (int32_t e : missing) ram->policy().promote(L->moe_index * man.n_experts + e);
+    }
+    if (pf) {
+        settle_prefetches();
+    }
+    L->step_order = std::move(cached);
+    L->step_order.insert(L->step_order.end(), missing.begin(), missing.end());
+    if (trace) {
+        record_trace(*L->layout, ids);
+    }
+    return true;
+}
+
 void expert_pack_provider::acquire(expert_pack_layer * L, int32_t round, int32_t n_rounds, ggml_tensor * dst,
                                    std::vector<float> * mask) {
     const auto t_start = clk::now();
@@ -463,46 +770,10 @@ void expert_pack_provider::acquire(expert_pack_layer * L, int32_t round, int32_t
         return;
     }
 
-    // the distinct experts of this step, in first-use order, those already cached first (so that a round's
-    // group reuses the cache); later rounds take their group from the order round 0 fixed
-    if (round == 0) {
-        std::vector<int32_t> cached, missing;
-        std::vector<char> seen(man.n_experts, 0);
-        for (int64_t t = 0; t < n_tokens; ++t) {
-            const int32_t * row = (const int32_t *) ((const char *) ids->data + t * ids->nb[1]);
-            for (int64_t j = 0; j < k; ++j) {
-                const int32_t e = row[j];
-                if (e < 0 || e >= man.n_experts) {
-                    fail_step("layer " + std::to_string(lay.layer) + ": router chose expert " + std::to_string(e) +
-                              ", the pack has " + std::to_string(man.n_experts));
-                    fill_failed();
-                    return;
-                }
-                if (!seen[e]) {
-                    seen[e] = 1;
-                    (L->policy->slot_of(e) >= 0 ? cached : missing).push_back(e);
-                }
-            }
-        }
-        if (!L->predicted.empty()) {  // how good was the prediction made for this step at the previous layer
-            stats.predicted += L->predicted.size();
-            for (int32_t e : L->predicted) {
-                stats.predicted_correct += seen[e] != 0;
-            }
-            L->predicted.clear();
-        }
-        if (spill_tier) {  // the tier ranks by popularity: every selection counts, hit or miss
-            for (int32_t e : cached) ram->policy().promote(L->moe_index * man.n_experts + e);
-            for (int32_t e : missing) ram->policy().promote(L->moe_index * man.n_experts + e);
-        }
-        if (pf) {
-            settle_prefetches();
-        }
-        L->step_order = std::move(cached);
-        L->step_order.insert(L->step_order.end(), missing.begin(), missing.end());
-        if (trace) {
-            record_trace(lay, ids);
-        }
+    // later rounds take their group from the order round 0 fixed
+    if (round == 0 && !order_step(L, ids)) {
+        fill_failed();
+        return;
     }
     const size_t per_round = n_rounds == 1 ? L->step_order.size() : (size_t) L->policy->n_slots();
     const size_t begin = std::min(L->step_order.size(), (size_t) round * per_round);
@@ -519,198 +790,26 @@ void expert_pack_provider::acquire(expert_pack_layer * L, int32_t round, int32_t
         return;
     }
 
-    // the device-cache misses, in plan order
-    std::vector<size_t> miss;
-    for (size_t i = 0; i < L->plan.size(); ++i) {
-        if (!L->plan[i].hit) miss.push_back(i);
-    }
-    const uint64_t hits = L->plan.size() - miss.size();
-    uint64_t misses = 0, evictions = 0;
-    std::vector<char> stored(miss.size(), 0);  // miss j's expert is in its device slot
-    auto loaded = [&](size_t j) {
-        const auto & a = L->plan[miss[j]];
-        stats.h2d_bytes += lay.block_bytes;
-        ++misses;
-        evictions += a.evicted >= 0;
-        stored[j] = 1;
-    };
-    // Reads go to the read pool (read_threads; inline with 1) and are collected in the order they land; each
-    // landed block's copy into its slot starts at once. After the first failure nothing more is submitted or
-    // copied, and the reads still in flight are drained (they write into our buffers) before we return.
-    std::exception_ptr failure;
-    size_t outstanding = 0;
-    auto collect = [&](const auto & on_read) {
-        auto [j, err] = reads->next();
-        --outstanding;
-        if (err && !failure) failure = err;
-        if (!failure) on_read(j);
-    };
-    auto submit_read = [&](size_t j, uint8_t * dst) {
-        const int32_t e = L->plan[miss[j]].expert;
-        ++outstanding;
-        reads->submit(j, [this, &lay, e, dst] { read_block(lay, e, dst); });
-    };
-    if (!ram) {
-        // pack -> staging buffer -> slot. A staging buffer comes back after n_buffers() acquires, so miss j is
-        // submitted only once miss j - n_buffers() is in its slot (acquire then waits for that copy).
-        const size_t nb = L->stage->n_buffers();
-        std::vector<size_t> buf_of(miss.size());
-        auto on_read = [&](size_t j) {
-            L->stage->store(L->arena, L->plan[miss[j]].slot, lay.block_bytes, buf_of[j]);  // asynchronous on a GPU
-            stats.ram_misses++;
-            loaded(j);
-        };
-        size_t next = 0;
-        while ((!failure && next < miss.size()) || outstanding) {
-            try {
-                if (!failure && next < miss.size() && (next < nb || stored[next - nb]) && !reads->ready()) {
-                    const auto t0 = clk::now();
-                    uint8_t * buf = L->stage->acquire(&buf_of[next]);
-                    stats.copy_wait_ns += ns_since(t0);
-                    submit_read(next++, buf);
-                } else {
-                    collect(on_read);
-                }
-            } catch (...) {
-                if (!failure) failure = std::current_exception();
-            }
-        }
+    miss_load m(*this, L);  // the device-cache misses, in plan order
+    const uint64_t hits = L->plan.size() - m.miss.size();
+    if (ram) {
+        load_via_ram_tier(m);
     } else {
-        // RAM block -> slot; a RAM miss is first read from the pack into its block (each read has its own block).
-        // The misses go through the tier in groups of at most its block count (one policy step each, which pins
-        // the group's blocks); between groups every copy completes, so the next group may evict the previous
-        // one's blocks.
-        const size_t per_group = (size_t) ram->n_blocks();
-        const bool victim_tier = cfg.ram_tier_mode == "victim";
-        std::vector<int32_t> keys;
-        for (size_t g = 0; g < miss.size() && !failure; g += per_group) {
-            const size_t n = std::min(per_group, miss.size() - g);
-            if (g > 0) {
-                L->stage->finish();
-            }
-            keys.clear();
-            for (size_t j = g; j < g + n; ++j) {
-                keys.push_back(L->moe_index * man.n_experts + L->plan[miss[j]].expert);
-            }
-            if (victim_tier) {
-                // the device just evicted these experts: their blocks (if still here) hold what the device does not
-                for (size_t j = g; j < g + n; ++j) {
-                    const int32_t ev = L->plan[miss[j]].evicted;
-                    if (ev >= 0 && ram->policy().slot_of(L->moe_index * man.n_experts + ev) >= 0) {
-                        ram->policy().promote(L->moe_index * man.n_experts + ev);
-                    }
-                }
-            }
-            if (spill_tier) {
-                // off the device now: their blocks rank by popularity again
-                for (size_t j = g; j < g + n; ++j) {
-                    const int32_t ev = L->plan[miss[j]].evicted;
-                    if (ev >= 0) ram->policy().set_weight(L->moe_index * man.n_experts + ev, 1.0f);
-                }
-            }
-            // cannot fail: n <= blocks, and the keys are distinct (spill: popularity was credited at round 0)
-            ram->policy().step(keys, ram_plan, /*use=*/!spill_tier);
-            if (spill_tier) {
-                try {
-                    spill(L, g, n, miss);  // before any copy into those slots (same copy stream, or synchronous)
-                } catch (...) {
-                    failure = std::current_exception();
-                }
-            }
-            // A hit whose block a prefetch read is still writing goes last: every read of the group is submitted
-            // before that read is waited for. If it failed, the block holds nothing and is read again here.
-            std::vector<size_t> order, late;
-            std::vector<char> reread(n, 0);
-            for (size_t j = g; j < g + n; ++j) {
-                const auto & r = ram_plan[j - g];
-                (r.hit && pf && pf->pending(r.slot) ? late : order).push_back(j);
-            }
-            order.insert(order.end(), late.begin(), late.end());
-            auto copy_out = [&](size_t j) {
-                const auto & a = L->plan[miss[j]];
-                const auto & r = ram_plan[j - g];
-                const bool hit = r.hit && !reread[j - g];
-                ram->order_after_copies(r.slot, L->stage);  // a spill into the block by another device's stream
-                ram->copying(r.slot, L->stage, L->stage->store_from(L->arena, a.slot, ram->block(r.slot), lay.block_bytes));
-                if (hit && pf && pf_unused[r.slot]) {
-                    stats.prefetch_used++;
-                    pf_unused[r.slot] = 0;
-                }
-                if (victim_tier) {
-                    ram->policy().demote(keys[j - g]);  // on the device now: this block is the tier's first to go
-                } else if (spill_tier) {
-                    ram->policy().set_weight(keys[j - g], 0.0f);  // a spare copy while its expert is on the device
-                }
-                if (hit) {
-                    stats.ram_hits++;
-                } else {
-                    stats.ram_misses++;
-                    stats.ram_evictions += !r.hit && r.evicted >= 0;
-                }
-                loaded(j);
-            };
-            size_t next = 0;
-            while ((!failure && next < n) || outstanding) {
-                try {
-                    if (!failure && next < n && !reads->ready()) {
-                        const size_t j = order[next];
-                        const auto & r = ram_plan[j - g];
-                        if (r.hit && pf && pf->pending(r.slot)) {
-                            if (outstanding && !pf->finished(r.slot)) {
-                                collect(copy_out);  // copy what lands while the prefetch read runs
-                                continue;
-                            }
-                            ++next;
-                            const auto t0 = clk::now();
-                            const bool failed = pf->wait(r.slot) != nullptr;
-                            stats.prefetch_wait_ns += ns_since(t0);
-                            if (failed) {
-                                stats.io_errors++;
-                                pf_unused[r.slot] = 0;
-                                reread[j - g] = 1;
-                                submit_read(j, ram->block(r.slot));
-                            } else {
-                                copy_out(j);
-                            }
-                        } else if (r.hit) {
-                            ++next;
-                            copy_out(j);
-                        } else {
-                            reclaim_block(r.slot);   // nor one a prefetch read may still write
-                            ram->wait_copy(r.slot);  // never overwrite a block whose copy may be in flight
-                            ++next;
-                            submit_read(j, ram->block(r.slot));
-                        }
-                    } else {
-                        collect(copy_out);
-                    }
-                } catch (...) {
-                    if (!failure) failure = std::current_exception();
-                }
-            }
-            if (failure) {
-                // a block of this group that was to receive a read but did not reach its slot is not trusted
-                for (size_t j = g; j < g + n; ++j) {
-                    if ((!ram_plan[j - g].hit || reread[j - g]) && !stored[j]) {
-                        ram->policy().invalidate(ram_plan[j - g].slot);
-                    }
-                }
-            }
-        }
+        load_via_staging(m);
     }
-    if (failure) {
+    if (m.failure) {
         // nothing computed from missing data: every miss not in its slot holds no expert
-        for (size_t j = 0; j < miss.size(); ++j) {
-            if (!stored[j]) L->policy->invalidate(L->plan[miss[j]].slot);
+        for (size_t j = 0; j < m.miss.size(); ++j) {
+            if (!m.stored[j]) L->policy->invalidate(L->plan[m.miss[j]].slot);
         }
         L->stage->finish();  // staging buffers and RAM blocks are reused only after their copies
         stats.io_errors++;
         stats.cache_hits += hits;
-        stats.cache_misses += misses;
-        stats.cache_evictions += evictions;
+        stats.cache_misses += m.misses;
+        stats.cache_evictions += m.evictions;
         std::string msg = "unknown error while loading experts";
         try {
-            std::rethrow_exception(failure);
+            std::rethrow_exception(m.failure);
         } catch (const std::exception & e) {
             msg = e.what();
         } catch (...) {
@@ -723,8 +822,8 @@ void expert_pack_provider::acquire(expert_pack_layer * L, int32_t round, int32_t
     L->stage->finish();  // every copy complete before the slot ids reach the compute stream
     stats.copy_wait_ns += ns_since(t_wait);
     stats.cache_hits += hits;
-    stats.cache_misses += misses;
-    stats.cache_evictions += evictions;
+    stats.cache_misses += m.misses;
+    stats.cache_evictions += m.evictions;
     const uint64_t short_reads = io->retried_short_reads();
     stats.fallback_count += short_reads - counted_short_reads;
     counted_short_reads = short_reads;
@@ -738,57 +837,7 @@ void expert_pack_provider::acquire(expert_pack_layer * L, int32_t round, int32_t
         }
         return;
     }
-    // A round: the pairs it serves read their experts' slots (mask 1). Every other pair gets a zero input (mask 0),
-    // so its output is an exact zero whatever its slot holds. On the CPU those pairs read the all-zero slot: the
-    // served slots then see exactly the rows they see in stock llama.cpp, so the kernels tile them alike and the
-    // result is bit-identical. On a GPU a token's k slot ids must be distinct (mul_mat_id's id helper keeps one pair
-    // per token and expert; duplicates left rows unmapped and it read out of bounds): there each other pair reads a
-    // slot its token does not use, preferring the zero slot and slots outside this round.
-    std::vector<char> in_round(man.n_experts, 0);
-    for (int32_t e : unique) {
-        in_round[e] = 1;
-    }
-    const bool distinct = L->arena.host_base == nullptr || test_distinct_slots;  // device memory (or the test seam)
-    const int32_t n_arena = L->arena.n_slots;
-    std::vector<int32_t> spare;  // slots for the other pairs on a GPU, best first
-    if (distinct) {
-        std::vector<char> served(n_arena, 0);
-        for (int32_t e : unique) {
-            served[L->policy->slot_of(e)] = 1;
-        }
-        if (L->zero_slot >= 0) spare.push_back(L->zero_slot);
-        for (int32_t s = 0; s < n_arena; ++s) {
-            if (!served[s] && s != L->zero_slot) spare.push_back(s);
-        }
-        for (int32_t s = 0; s < n_arena; ++s) {
-            if (served[s]) spare.push_back(s);
-        }
-    }
-    std::vector<char> used(n_arena, 0);
-    for (int64_t t = 0; t < n_tokens; ++t) {
-        const int32_t * row = (const int32_t *) ((const char *) ids->data + t * ids->nb[1]);
-        if (distinct) std::fill(used.begin(), used.end(), 0);
-        for (int64_t j = 0; j < k; ++j) {
-            if (in_round[row[j]]) {
-                out[t * k + j] = L->policy->slot_of(row[j]);
-                (*mask)[t * k + j] = 1.0f;
-                if (distinct) used[out[t * k + j]] = 1;
-            }
-        }
-        size_t next = 0;
-        for (int64_t j = 0; j < k; ++j) {
-            if (in_round[row[j]]) {
-                continue;
-            }
-            if (!distinct) {
-                out[t * k + j] = L->zero_slot;
-                continue;
-            }
-            while (used[spare[next]]) ++next;  // k <= n_arena: a free one always exists
-            out[t * k + j] = spare[next];
-            used[spare[next]] = 1;
-        }
-    }
+    map_round_slots(L, unique, ids, out, mask);
 }
 
 // ---- C API --------------------------------------------------------------------------------------------------
