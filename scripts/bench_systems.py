@@ -232,7 +232,25 @@ def report(out: Path) -> str:
                 lines.append(f"- PCIe 5 SSD at {gbs} GB/s: {1 / (bpt / (gbs * 1e9) + t_rest):.1f} tok/s "
                              f"(read {bpt / (gbs * 1e9) * 1e3:.0f} ms + rest {t_rest * 1e3:.0f} ms per token)")
             lines += overlap_lines(reps, bw, t_rest)
+    lines += step_profile_lines(reps)
     return "\n".join(lines) + "\n"
+
+
+def step_profile_lines(reps: dict) -> list[str]:
+    """Per system of ours, where a graph step's expert work goes (the provider's timers, over every step of the run,
+    prompts included): the acquire ops (the device waits for them), the part of that spent waiting for running
+    prefetch reads or for copies, and the pack reads' thread time (summed over the read threads)."""
+    lines = ["", "| system | steps | acquire ms per step | of which prefetch wait | of which copy wait | "
+             "read ms per step (all threads) |", "|---|---|---|---|---|---|"]
+    for name, rp in reps.items():
+        d = rp.get("extra", {}).get("pack_delta", {})
+        steps = d.get("steps")
+        if not steps or "acquire_seconds" not in d:
+            continue
+        per = {k: d.get(f"{k}_seconds", float("nan")) * 1e3 / steps for k in ("acquire", "prefetch_wait", "copy_wait", "read")}
+        lines.append(f"| {name} | {steps:.0f} | {per['acquire']:.1f} | {per['prefetch_wait']:.1f} | "
+                     f"{per['copy_wait']:.1f} | {per['read']:.1f} |")
+    return lines
 
 
 def overlap_lines(reps: dict, bw: float, t_rest: float) -> list[str]:
