@@ -52,8 +52,9 @@ def main() -> int:
             "prefetch_wasted", "prefetch_cancelled")
     print(f"routing-shaped qwen3moe, realistic routing; device 18/{n_expert} per layer, tier {blocks} blocks, "
           f"{args.read_threads} read threads, {args.tokens} decode steps")
-    print("| prefetch | " + " | ".join(k + " / token" for k in keys) + " | accuracy | decode tok/s |")
-    print("|---" * (len(keys) + 3) + "|")
+    print("| prefetch | " + " | ".join(k + " / token" for k in keys) + " | accuracy | acquire ms / token | "
+          "prefetch wait ms / token | decode tok/s |")
+    print("|---" * (len(keys) + 5) + "|")
     for mode in args.modes.split(","):
         p = Provider.open(pack, cache_vram_mib=cache_mib_for_slots(pack, 18), cache_vram_reserve_mib=0,
                           ram_cache_mib=ram_mib_for_blocks(pack, blocks), read_threads=args.read_threads,
@@ -69,12 +70,14 @@ def main() -> int:
                 assert s.decode([t]) == 0
             dt = time.perf_counter() - t0
             c = p.counters()
+            st = p.stats()
         finally:
             s.close()
             p.close()
         acc = c["predicted_correct"] / c["predicted"] if c["predicted"] else float("nan")
         print(f"| {mode} | " + " | ".join(f"{c[k] / args.tokens:.2f}" for k in keys) +
-              f" | {acc:.1%} | {args.tokens / dt:.1f} |")
+              f" | {acc:.1%} | {st['acquire_ms'] / args.tokens:.2f} | {st['prefetch_wait_ms'] / args.tokens:.2f} | "
+              f"{args.tokens / dt:.1f} |")
     return 0
 
 
