@@ -154,6 +154,10 @@ class Policy:
             raise ValueError("n_slots and n_experts must be > 0")
         self.hits = self.misses = self.evictions = 0
 
+    def set_busy(self, slot: int, busy: bool = True) -> None:
+        """Mark a slot busy (a read still writes it): a victim only when every other unpinned slot is busy too."""
+        lib().expert_pack_policy_set_busy(self._p, slot, int(busy))
+
     def step(self, experts: list[int]) -> list[int]:
         n = len(experts)
         arr = ffi().new("int32_t[]", list(experts))

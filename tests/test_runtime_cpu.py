@@ -115,6 +115,23 @@ def test_policy_replay_exact():
         p.step([3, 4, 5])                           # three distinct experts, two slots
 
 
+def test_policy_takes_a_busy_slot_last():
+    """A slot still being written by a background read (a running prefetch in the RAM tier) is passed over for the
+    next lowest one, and taken only when nothing else can go."""
+    p = Policy(n_slots=3, n_experts=8)
+    assert p.step([0, 1, 2]) == [0, 1, 2]
+    p.step([1, 2])                       # 0 is now the least used
+    p.set_busy(0)
+    assert p.step([3]) == [1]            # 0 is busy: 1, the next lowest (ties with 2, lower slot), goes
+    p.set_busy(0, False)
+    assert p.step([5]) == [0]            # not busy any more: 0, the least used, goes
+    q = Policy(n_slots=2, n_experts=8)
+    q.step([0, 1])
+    q.set_busy(0)
+    q.set_busy(1)
+    assert q.step([1, 5]) == [1, 0]      # every unpinned slot is busy: the busy one goes after all
+
+
 def _reference_policy(trace, n_slots, n_experts, half_life=16.0):
     """The same frequency/recency hybrid, written again in Python as the plain scan of every slot per miss that
     src/cache_policy.cpp replaced with an ordered index. Returns (hits, misses, evictions, each step's slots)."""

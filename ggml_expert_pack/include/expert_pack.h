@@ -166,6 +166,9 @@ EXPERT_PACK_API expert_pack_policy * expert_pack_policy_new(int32_t n_slots, int
 EXPERT_PACK_API int expert_pack_policy_step(expert_pack_policy * pol, const int32_t * experts, int32_t n,
                                             int32_t * slots_out, uint64_t * hits, uint64_t * misses,
                                             uint64_t * evictions);
+// Mark a slot busy (still being written by a background read): it is a victim only when no other unpinned slot is
+// free of that. The RAM tier marks the blocks of running prefetch reads so.
+EXPERT_PACK_API void expert_pack_policy_set_busy(expert_pack_policy * pol, int32_t slot, int busy);
 EXPERT_PACK_API void expert_pack_policy_free(expert_pack_policy * pol);
 
 // ---- hashing (checksums and fingerprints of docs/FORMAT.md) ----------------------------------------------

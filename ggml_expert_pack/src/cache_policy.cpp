@@ -6,7 +6,7 @@ namespace expert_pack {
 
 hybrid_policy::hybrid_policy(int32_t n_slots, int32_t n_experts, double half_life)
     : half_life_(half_life), weight_(n_experts, 1.0f), slot_of_(n_experts, -1), expert_in_(n_slots, -1),
-      freq_(n_experts, 0.0), last_(n_experts, 0), pinned_(n_slots, 0), key_of_(n_slots) {
+      freq_(n_experts, 0.0), last_(n_experts, 0), pinned_(n_slots, 0), busy_(n_slots, 0), key_of_(n_slots) {
     for (int32_t s = 0; s < n_slots; ++s) {
         free_.insert(free_.end(), s);
     }
@@ -44,14 +44,21 @@ int32_t hybrid_policy::lowest_unpinned() const {
             return s;
         }
     }
-    // at most the step's own experts are pinned: this skips no more than those
+    // at most the step's own experts are pinned and a few slots busy: this skips no more than those
+    int32_t busy = -1;
     for (const key & k : order_) {
         const int32_t s = std::get<2>(k);
-        if (pinned_[s] != now_) {
+        if (pinned_[s] == now_) {
+            continue;
+        }
+        if (!busy_[s]) {
             return s;
         }
+        if (busy < 0) {
+            busy = s;
+        }
     }
-    return -1;
+    return busy;
 }
 
 bool hybrid_policy::step(const std::vector<int32_t> & unique, std::vector<access> & out, bool use) {
@@ -165,6 +172,7 @@ void hybrid_policy::clear() {
     std::fill(freq_.begin(), freq_.end(), 0.0);
     std::fill(last_.begin(), last_.end(), 0);
     std::fill(pinned_.begin(), pinned_.end(), 0);
+    std::fill(busy_.begin(), busy_.end(), 0);
     std::fill(weight_.begin(), weight_.end(), 1.0f);
     order_.clear();
     free_.clear();

@@ -37,6 +37,9 @@ public:
 
     // A load failed: the slot holds nothing.
     void invalidate(int32_t slot);
+    // A busy slot is still being written by a background read (the RAM tier: a running prefetch). Taking it would
+    // wait for that read, so a victim is a busy slot only when every other unpinned slot is busy too.
+    void set_busy(int32_t slot, bool busy) { busy_[slot] = busy; }
     // A cached expert is worth little for now (the host-RAM tier: its expert is on the device): the next victim.
     void demote(int32_t expert);
     // A cached expert is worth keeping again (the device evicted it): as if used now. Also how a caller that
@@ -65,7 +68,7 @@ private:
     double score(int32_t expert) const;     // frequency decayed to the clock
     double rank(int32_t expert) const;      // log2 of score x weight at clock 0: orders like them at any clock
     double unweighted_rank(int32_t expert) const;
-    int32_t lowest_unpinned() const;        // -1 if every slot is pinned; a free slot first
+    int32_t lowest_unpinned() const;        // -1 if every slot is pinned; a free slot first, a busy one last
     void reindex(int32_t slot);             // the slot's expert changed, or its rank did
     void unindex(int32_t slot);
 
@@ -79,6 +82,7 @@ private:
     std::vector<double> freq_;        // per expert, kept while evicted: frequency outlives residency
     std::vector<uint64_t> last_;      // per expert: step of the last use
     std::vector<uint64_t> pinned_;    // per slot: the step that needs it (protection)
+    std::vector<char> busy_;          // per slot: set_busy
     std::set<key> order_;             // the occupied slots, next victim first
     std::vector<key> key_of_;         // per occupied slot: its entry in order_
     std::set<int32_t> free_;          // the free slots, lowest first

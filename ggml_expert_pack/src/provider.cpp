@@ -106,6 +106,8 @@ struct expert_pack_provider {
     std::vector<hybrid_policy::access> ram_plan;   // scratch
     std::unique_ptr<prefetcher> pf;                // prefetch: background reads into RAM-tier blocks
     std::vector<char> pf_unused;                   // per RAM block: holds (or is reading) a prefetch not yet used
+    std::vector<int32_t> pf_busy;                  // RAM blocks marked busy in the tier's policy: a prefetch read
+                                                   // submitted and not yet seen finished (mark_busy, refresh_busy)
     bool spill_tier = false;                       // ram_tier_mode "spill" (and a tier)
     FILE * trace = nullptr;                        // trace_path: the routing trace being recorded
     bool trace_header = false;                     // its header is written at the first attach
@@ -147,6 +149,7 @@ struct expert_pack_provider {
     void detach() {
         pf.reset();   // before the RAM tier: its reads write into the tier's blocks
         pf_unused.clear();
+        pf_busy.clear();
         for (auto & [_, l] : layers) {
             free_arena(l->arena);
             l->policy.reset();
@@ -212,6 +215,8 @@ struct expert_pack_provider {
     void record_trace(const layer_layout & lay, const ggml_tensor * ids);
     void prefetch(expert_pack_layer * N, const ggml_tensor * pred);
     void settle_prefetches();
+    void mark_busy(int32_t b);
+    void refresh_busy();
     void reclaim_block(int32_t b);
     bool cancel_prefetch(int32_t b);
     void prefetch_dropped(int32_t b);
@@ -371,6 +376,7 @@ void expert_pack_provider::prefetch(expert_pack_layer * N, const ggml_tensor * p
     if (keys.empty()) {
         return;
     }
+    refresh_busy();  // so that the guesses' blocks avoid reads still running, which they would have to wait for
     ram->policy().step(keys, ram_plan, /*use=*/false);  // cannot fail: keys are distinct and fewer than the blocks
     const layer_layout & lay = *N->layout;
     for (size_t j = 0; j < keys.size(); ++j) {
@@ -383,7 +389,29 @@ void expert_pack_provider::prefetch(expert_pack_layer * N, const ggml_tensor * p
         const int32_t e = keys[j] % man.n_experts;
         uint8_t * dst = ram->block(b);
         pf->submit(b, [this, &lay, e, dst] { read_block(lay, e, dst); });
+        mark_busy(b);
     }
+}
+
+// A block whose prefetch read may still run is busy in the tier's policy: a demand miss, a spill or another guess
+// then takes another block rather than wait for that read (a wrong guess is the tier's next victim, so without this
+// the next layer's first RAM miss would often take the block of the guess still being read, and wait for it).
+void expert_pack_provider::mark_busy(int32_t b) {
+    ram->policy().set_busy(b, true);
+    pf_busy.push_back(b);
+}
+
+// Blocks whose prefetch read has finished, been dropped or been collected are not busy any more.
+void expert_pack_provider::refresh_busy() {
+    size_t kept = 0;
+    for (int32_t b : pf_busy) {
+        if (pf->pending(b) && !pf->finished(b)) {
+            pf_busy[kept++] = b;
+        } else {
+            ram->policy().set_busy(b, false);
+        }
+    }
+    pf_busy.resize(kept);
 }
 
 // Drop block b's prefetch read if it has not started (counted as cancelled); false if there was none to drop.
@@ -413,6 +441,7 @@ void expert_pack_provider::reclaim_block(int32_t b) {
         (void) pf->wait(b);
         stats.prefetch_wait_ns += ns_since(t0);
     }
+    ram->policy().set_busy(b, false);
     if (pf_unused[b]) {
         stats.prefetch_wasted++;
         pf_unused[b] = 0;
@@ -465,6 +494,7 @@ void expert_pack_provider::settle_prefetches() {
         ram->policy().invalidate(b);  // the block holds nothing now
         prefetch_dropped(b);
     }
+    refresh_busy();  // what is still busy now is a read that runs
 }
 
 // pack -> staging buffer -> slot. A staging buffer comes back after n_buffers() acquires, so miss j is submitted
@@ -586,6 +616,7 @@ void expert_pack_provider::load_via_ram_tier(miss_load & m) {
                         const auto t0 = clk::now();
                         const bool failed = pf->wait(r.slot) != nullptr;
                         stats.prefetch_wait_ns += ns_since(t0);
+                        ram->policy().set_busy(r.slot, false);
                         if (failed) {
                             stats.io_errors++;
                             pf_unused[r.slot] = 0;
@@ -1370,6 +1401,12 @@ extern "C" int expert_pack_policy_step(expert_pack_policy * pol, const int32_t *
         slots_out[i] = pol->policy.slot_of(experts[i]);
     }
     return 0;
+}
+
+extern "C" void expert_pack_policy_set_busy(expert_pack_policy * pol, int32_t slot, int busy) {
+    if (slot >= 0 && slot < pol->policy.n_slots()) {
+        pol->policy.set_busy(slot, busy != 0);
+    }
 }
 
 extern "C" void expert_pack_policy_free(expert_pack_policy * pol) {
