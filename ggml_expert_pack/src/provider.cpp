@@ -220,6 +220,7 @@ struct expert_pack_provider {
     void reclaim_block(int32_t b);
     bool cancel_prefetch(int32_t b);
     void prefetch_dropped(int32_t b);
+    std::exception_ptr wait_prefetch(int32_t b);
     void spill(expert_pack_layer * L, size_t g, size_t n, const std::vector<size_t> & miss);
     void load_via_staging(miss_load & m);
     void load_via_ram_tier(miss_load & m);
@@ -423,7 +424,9 @@ bool expert_pack_provider::cancel_prefetch(int32_t b) {
     return true;
 }
 
+// Block b's prefetch was dropped before its read started: the block is not busy (refresh_busy forgets it).
 void expert_pack_provider::prefetch_dropped(int32_t b) {
+    ram->policy().set_busy(b, false);
     if (pf_unused[b]) {
         stats.prefetch_cancelled++;
         pf_unused[b] = 0;
@@ -437,15 +440,22 @@ void expert_pack_provider::reclaim_block(int32_t b) {
         return;
     }
     if (pf->pending(b) && !cancel_prefetch(b)) {
-        const auto t0 = clk::now();
-        (void) pf->wait(b);
-        stats.prefetch_wait_ns += ns_since(t0);
+        (void) wait_prefetch(b);
     }
-    ram->policy().set_busy(b, false);
     if (pf_unused[b]) {
         stats.prefetch_wasted++;
         pf_unused[b] = 0;
     }
+}
+
+// Wait for block b's prefetch read, running or finished (the queued ones are dropped, never waited for): its
+// exception, null when it succeeded. The wait counts in prefetch_wait_ns; the block is not busy any more.
+std::exception_ptr expert_pack_provider::wait_prefetch(int32_t b) {
+    const auto t0 = clk::now();
+    std::exception_ptr err = pf->wait(b);
+    stats.prefetch_wait_ns += ns_since(t0);
+    ram->policy().set_busy(b, false);
+    return err;
 }
 
 // Spill (ram_tier_mode "spill"): an expert the device evicts in this group, whose block the tier no longer holds, is
@@ -613,11 +623,7 @@ void expert_pack_provider::load_via_ram_tier(miss_load & m) {
                             continue;
                         }
                         ++next;
-                        const auto t0 = clk::now();
-                        const bool failed = pf->wait(r.slot) != nullptr;
-                        stats.prefetch_wait_ns += ns_since(t0);
-                        ram->policy().set_busy(r.slot, false);
-                        if (failed) {
+                        if (wait_prefetch(r.slot)) {
                             stats.io_errors++;
                             pf_unused[r.slot] = 0;
                             reread[j - g] = 1;
