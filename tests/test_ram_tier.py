@@ -216,6 +216,34 @@ def test_ram_tier_larger_than_the_free_memory_is_a_startup_error(packs, monkeypa
     _decode(src, _provider(pack, 2 * K + 1, 24), 1)  # the real headroom of this machine takes it
 
 
+def test_ram_tier_sizing_takes_the_cgroups_page_cache_as_reclaimable(packs, monkeypatch, tmp_path):
+    """In a cgroup, the page cache counts in memory.current but the kernel reclaims it before failing an allocation:
+    the check takes memory.current less the file-list cache (memory.stat active_file + inactive_file) as used, so a
+    cgroup that has just read the trunk still takes a tier that fits, and one whose usage is its own memory does
+    not. (The H200's benchmark cgroup refused a tier it had run with because of the page cache.)"""
+    src, pack = packs("qwen3moe")
+    n = 24
+    need = int(ram_mib_for_blocks(pack, n) * 2**20)  # the tier's bytes (a little more than n blocks)
+    limit = 2 * need
+    cg = tmp_path / "cgroup"
+    cg.mkdir()
+    (cg / "memory.max").write_text(f"{limit}\n")
+    (cg / "memory.current").write_text(f"{limit - need // 2}\n")  # only half the tier left, counting the cache
+    monkeypatch.setenv("EXPERT_PACK_TEST_CGROUP_DIR", str(cg))  # test seam: read as the process's cgroup
+    monkeypatch.setenv("EXPERT_PACK_TEST_MEM_AVAILABLE_MIB", "1000000")
+    (cg / "memory.stat").write_text(f"anon {limit - need}\nfile {need // 2 + 8192}\n"
+                                     f"active_file {need // 4 + 4096}\ninactive_file {need // 4 + 4096}\nshmem 0\n")
+    _decode(src, _provider(pack, 2 * K + 1, n), 1)  # the cache is reclaimable: the tier fits
+    (cg / "memory.stat").write_text(f"anon {limit - need // 2}\nfile 0\nactive_file 0\ninactive_file 0\n")
+    p = _provider(pack, 2 * K + 1, n)
+    try:
+        with pytest.raises(RuntimeError, match=r"can take only [0-9.]+ MiB more \(memory\.max - \(memory\.current - "
+                                               r"page cache 0 MiB\) of cgroup /\)"):
+            run(src, p, n_decode=1)
+    finally:
+        p.close()
+
+
 # ---- concurrent miss reads (read_threads) -------------------------------------------------------------------
 
 @pytest.mark.parametrize("ram_blocks", [None, 5, 24], ids=["staging", "ram-grouped", "ram-evicting"])
