@@ -124,6 +124,24 @@ def _belady(steps, slots):
     return replay(steps, slots, lambda k, t: -next_use(k, t))
 
 
+def step_hits(steps, policy: str, slots: int, n_expert: int | None = None) -> int:
+    """Hits of one cache of `slots` over `steps` (lists of distinct keys, each step's keys pinned together) under
+    `policy`, one of POLICIES; "hybrid" (the runtime's policy through the C API) needs n_expert, the key count."""
+    if policy == "lru":
+        return _lru(steps, slots)
+    if policy == "lfu":
+        return _lfu(steps, slots)
+    if policy == "hybrid":
+        if n_expert is None:
+            raise ValueError("policy 'hybrid' needs n_expert")
+        return _hybrid(steps, slots, n_expert)
+    if policy == "a0":
+        return _a0(steps, slots)
+    if policy == "belady":
+        return _belady(steps, slots)
+    raise ValueError(f"unknown policy {policy!r}; one of {', '.join(POLICIES)}")
+
+
 def hits(trace: RoutingTrace | StepTrace, policy: str, slots: int) -> tuple[int, int]:
     """(hits, accesses) over all layers, each layer its own cache of `slots`; accesses are distinct
     (layer, expert) keys per step, as the runtime's cache_hits + cache_misses."""
@@ -131,18 +149,7 @@ def hits(trace: RoutingTrace | StepTrace, policy: str, slots: int) -> tuple[int,
     for li in range(len(trace.layers)):
         steps = layer_steps(trace, li, slots)
         total += sum(len(s) for s in steps)
-        if policy == "lru":
-            hits += _lru(steps, slots)
-        elif policy == "lfu":
-            hits += _lfu(steps, slots)
-        elif policy == "hybrid":
-            hits += _hybrid(steps, slots, trace.n_expert)
-        elif policy == "a0":
-            hits += _a0(steps, slots)
-        elif policy == "belady":
-            hits += _belady(steps, slots)
-        else:
-            raise ValueError(f"unknown policy {policy!r}; one of {', '.join(POLICIES)}")
+        hits += step_hits(steps, policy, slots, trace.n_expert)
     return hits, total
 
 

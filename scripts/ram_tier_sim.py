@@ -168,10 +168,10 @@ def simulate_runtime(steps, n_layers: int, n_expert: int, vram_slots: int, ram_b
 
 def simulate_pool(steps, n_expert: int, capacity: int, policy: str) -> dict:
     """One cache of `capacity` experts over all layers (keys layer * n_expert + expert), one step per token with
-    all of its layers' experts pinned; policy "lfu", "a0" or "belady" (ggml_expert_pack.policy_sim's)."""
+    all of its layers' experts pinned; policy "lfu", "a0" or "belady" (ggml_expert_pack.policy_sim.step_hits)."""
     from ggml_expert_pack import policy_sim
     tokens = [[li * n_expert + x for li, experts in enumerate(tok) for x in experts] for tok in steps]
-    hits = {"lfu": policy_sim._lfu, "a0": policy_sim._a0, "belady": policy_sim._belady}[policy](tokens, capacity)
+    hits = policy_sim.step_hits(tokens, policy, capacity)
     n_tok = len(steps)
     return {"design": f"one pool, {policy}", "reads_per_token": (sum(len(s) for s in tokens) - hits) / n_tok,
             "ram_hits_per_token": 0.0, "d2h_per_token": 0.0}
