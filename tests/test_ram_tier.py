@@ -200,18 +200,22 @@ def test_ram_tier_below_one_block_is_a_startup_error(packs):
         p.close()
 
 
+def _tier_fails_at_load(src, pack, ram_blocks, message):
+    p = _provider(pack, 2 * K + 1, ram_blocks)
+    try:
+        with pytest.raises(RuntimeError, match=message):
+            run(src, p, n_decode=1)
+    finally:
+        p.close()
+
+
 def test_ram_tier_larger_than_the_free_memory_is_a_startup_error(packs, monkeypatch):
     """A tier that this process cannot take (MemAvailable, or a cgroup's memory.max less its usage) fails closed at
     load, naming the key and both sizes, instead of swapping or being OOM-killed later."""
     src, pack = packs("qwen3moe")
     monkeypatch.setenv("EXPERT_PACK_TEST_MEM_AVAILABLE_MIB", "0.5")  # test seam: stands in for MemAvailable
-    p = _provider(pack, 2 * K + 1, 24)
-    try:
-        with pytest.raises(RuntimeError, match=r"'ram_cache_mib' asks for a host-RAM tier of [0-9.]+ MiB \(24 blocks "
-                                               r"of .* MiB\), but this process can take only 0\.5 MiB more"):
-            run(src, p, n_decode=1)
-    finally:
-        p.close()
+    _tier_fails_at_load(src, pack, 24, r"'ram_cache_mib' asks for a host-RAM tier of [0-9.]+ MiB \(24 blocks "
+                                       r"of .* MiB\), but this process can take only 0\.5 MiB more")
     monkeypatch.delenv("EXPERT_PACK_TEST_MEM_AVAILABLE_MIB")
     _decode(src, _provider(pack, 2 * K + 1, 24), 1)  # the real headroom of this machine takes it
 
@@ -235,13 +239,8 @@ def test_ram_tier_sizing_takes_the_cgroups_page_cache_as_reclaimable(packs, monk
                                      f"active_file {need // 4 + 4096}\ninactive_file {need // 4 + 4096}\nshmem 0\n")
     _decode(src, _provider(pack, 2 * K + 1, n), 1)  # the cache is reclaimable: the tier fits
     (cg / "memory.stat").write_text(f"anon {limit - need // 2}\nfile 0\nactive_file 0\ninactive_file 0\n")
-    p = _provider(pack, 2 * K + 1, n)
-    try:
-        with pytest.raises(RuntimeError, match=r"can take only [0-9.]+ MiB more \(memory\.max - \(memory\.current - "
-                                               r"page cache 0 MiB\) of cgroup /\)"):
-            run(src, p, n_decode=1)
-    finally:
-        p.close()
+    _tier_fails_at_load(src, pack, n, r"can take only [0-9.]+ MiB more \(memory\.max - \(memory\.current - "
+                                      r"page cache 0 MiB\) of cgroup /\)")
 
 
 # ---- concurrent miss reads (read_threads) -------------------------------------------------------------------
