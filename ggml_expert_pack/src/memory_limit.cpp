@@ -106,11 +106,11 @@ memory_headroom host_memory_headroom() {
         h = {avail, "MemAvailable"};
     }
     // the process's cgroup and every ancestor: any of them may carry the limit
-    std::string v2, v1;
     if (const char * dir = getenv("EXPERT_PACK_TEST_CGROUP_DIR"); dir && *dir) {
         walk_cgroups(dir, dir, "memory.max", "memory.current", h);
         return h;
     }
+    std::string v2, v1;
     cgroup_paths(v2, v1);
     if (!v2.empty()) {
         walk_cgroups("/sys/fs/cgroup", "/sys/fs/cgroup" + v2, "memory.max", "memory.current", h);

@@ -17,7 +17,7 @@ struct memory_headroom {
     std::string source;           // which one it is ("MemAvailable", "memory.max - memory.current of cgroup /x")
 };
 
-// Reads /proc/meminfo and the process's cgroup v2 files. Test seam: EXPERT_PACK_TEST_MEM_AVAILABLE_MIB replaces
+// Reads /proc/meminfo and the process's cgroup v2 or v1 memory files. Test seam: EXPERT_PACK_TEST_MEM_AVAILABLE_MIB replaces
 // MemAvailable (a machine's free memory cannot be staged in a test); EXPERT_PACK_TEST_CGROUP_DIR names a directory
 // read as the process's only v2 cgroup (memory.max, memory.current, memory.stat written by the test).
 memory_headroom host_memory_headroom();
