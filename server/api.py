@@ -1,12 +1,15 @@
 """The HTTP API: OpenAI's /v1 endpoints and llama-server's own, over one Engine.
 
 Every error is an OpenAI-style body `{"error": {"message", "type", "param", "code"}}` with a 4xx/5xx status;
-a bad request never takes the server down. Streams are Server-Sent Events; a client that goes away is noticed
+a bad request never takes the server down: a body that is not UTF-8 JSON (415 for another Content-Type, 400 for
+bad bytes, bad syntax, nesting too deep to parse, or a lone UTF-16 surrogate, which no text can hold) is refused
+before any handler sees it. Streams are Server-Sent Events; a client that goes away is noticed
 between tokens (waitress's `client_disconnected`) and its generation stops.
 """
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 from pathlib import Path
@@ -29,14 +32,74 @@ def _error(message: str, status: int = 400, param: str | None = None, code: str 
 
 # --- request parsing: strict types, the parameter named in every complaint -----------------------------------
 
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # the only way a JSON text can carry a UTF-16 surrogate
+
+
+def _check_content_type() -> None:
+    """JSON bodies only. A missing Content-Type counts as JSON (as llama-server takes it), and so does
+    application/x-www-form-urlencoded: it is what `curl -d` and urllib send when no type is given, and the
+    llama-server habit `curl URL -d '{"prompt": ...}'` must keep working (the body is still parsed as JSON)."""
+    header = request.headers.get("Content-Type", "").strip()
+    if not header:
+        return
+    from werkzeug.http import parse_options_header
+    mimetype, options = parse_options_header(header)
+    if mimetype.lower() == "application/x-www-form-urlencoded":
+        return
+    if mimetype.lower() != "application/json":
+        raise RequestError(f"Content-Type {mimetype or header!r} is not JSON: send the body as application/json",
+                           status=415, code="unsupported_media_type")
+    charset = options.get("charset")
+    if charset and charset.lower().replace("-", "").replace("_", "") != "utf8":
+        raise RequestError(f"charset {charset!r}: JSON bodies must be UTF-8", status=415,
+                           code="unsupported_media_type")
+
+
+def _lone_surrogate(body) -> str | None:
+    """The place (e.g. 'messages[0].content') of the first string holding an unpaired UTF-16 surrogate, or None.
+    Iterative: the body may nest as deep as the parser allows."""
+    todo = [(body, "")]
+    while todo:
+        v, where = todo.pop()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                return where or "body"
+        elif isinstance(v, dict):
+            for k, x in v.items():
+                todo.append((k, where or "body"))
+                todo.append((x, f"{where}.{k}" if where else k))
+        elif isinstance(v, list):
+            todo.extend((x, f"{where}[{i}]") for i, x in enumerate(v))
+    return None
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON value")
+
+
 def _body() -> dict:
+    _check_content_type()
     raw = request.get_data(cache=True)
     try:
-        body = json.loads(raw or b"{}")
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise RequestError(f"the request body is not valid JSON: {e}") from e
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise RequestError(f"the request body is not valid UTF-8: byte 0x{raw[e.start]:02x} at offset {e.start}") \
+            from None
+    try:
+        body = json.loads(text.removeprefix("\ufeff") or "{}", parse_constant=_no_constant)
+    except ValueError as e:  # JSONDecodeError, NaN/Infinity, an integer too long to convert
+        raise RequestError(f"the request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise RequestError("the request body nests too deeply to parse") from None
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
+    if _SURROGATE_ESCAPE.search(raw):
+        where = _lone_surrogate(body)
+        if where is not None:
+            raise RequestError(f"'{where}' holds an unpaired UTF-16 surrogate (a \\uD800-\\uDFFF escape without "
+                               "its pair), which is not text", where)
     return body
 
 
@@ -76,15 +139,18 @@ def _sampling(body: dict) -> dict:
                 seed=_get(body, "seed", int, None))
 
 
-def create_app(engine: Engine, *, model_path: str = "", stats=None) -> Flask:
-    """`stats()` -> the expert-pack counters (dict), or None when no pack is used."""
+def create_app(engine: Engine, *, model_path: str = "", stats=None, names: tuple[str, ...] = ()) -> Flask:
+    """`stats()` -> the expert-pack counters (dict), or None when no pack is used. Requests may name the model by its
+    alias, its file's name or path, or any of `names`."""
     app = Flask(__name__, static_folder=None)
     app.config["JSON_SORT_KEYS"] = False
+    app.config["engine"] = engine
     started = int(time.time())
+    accepted = {engine.alias, Path(model_path).name, model_path, *names}
 
     def check_model(body: dict) -> None:
         name = _get(body, "model", str, None)
-        if name is not None and name not in (engine.alias, Path(model_path).name, model_path):
+        if name is not None and name not in accepted:
             raise RequestError(f"The model '{name}' does not exist; this server serves '{engine.alias}'", "model",
                                status=404, code="model_not_found")
 
@@ -95,6 +161,14 @@ def create_app(engine: Engine, *, model_path: str = "", stats=None) -> Flask:
     @app.errorhandler(RequestError)
     def on_request_error(e: RequestError):
         return _error(str(e), e.status, e.param, e.code)
+
+    @app.errorhandler(Cancelled)
+    def on_cancelled(e: Cancelled):
+        if engine.stopping:
+            return _error("the server is stopping", 503, code="unavailable", kind="unavailable_error")
+        # the client of a non-streamed request went away: nobody reads this reply, and it is no error of the
+        # server's (nginx's 499, "client closed request"); no traceback either
+        return _error("the client disconnected", 499, code="cancelled")
 
     @app.errorhandler(404)
     def on_404(e):
@@ -164,6 +238,7 @@ def create_app(engine: Engine, *, model_path: str = "", stats=None) -> Flask:
                     "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]}
 
         r = Result()
+        request.environ["expert_pack.usage"] = (len(prompt), r)
         pieces = engine.generate(prompt, n, r, cancelled=disconnected(), **kw)
         if not stream:
             for _ in pieces:
@@ -209,6 +284,7 @@ def create_app(engine: Engine, *, model_path: str = "", stats=None) -> Flask:
         stream = _get(body, "stream", bool, False)
         cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         r = Result()
+        request.environ["expert_pack.usage"] = (len(prompt), r)
         pieces = engine.generate(prompt, n, r, cancelled=disconnected(), **kw)
 
         if not stream:
@@ -248,6 +324,7 @@ def create_app(engine: Engine, *, model_path: str = "", stats=None) -> Flask:
                   stop=_stop(body), ignore_eos=_get(body, "ignore_eos", bool, False))
         stream = _get(body, "stream", bool, False)
         r = Result()
+        request.environ["expert_pack.usage"] = (len(prompt), r)
         pieces = engine.generate(prompt, n, r, cancelled=disconnected(), **kw)
 
         def final(content):

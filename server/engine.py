@@ -107,12 +107,17 @@ class Engine:
         self.n_ctx = llm.n_ctx()
         self.lane = TicketLock()
         self.busy = False
+        self.stopping = False  # set once by stop(): every generation, running or waiting, ends at its next token
         self.totals = Totals()
         self._totals_lock = threading.Lock()
         vocab = llm._model.vocab
         import llama_cpp
         n_vocab = llm.n_vocab()
         self._eog = np.array([t for t in range(n_vocab) if llama_cpp.llama_vocab_is_eog(vocab, t)], dtype=np.int64)
+
+    def stop(self) -> None:
+        """The server is stopping: cancel the running generation and every waiting one."""
+        self.stopping = True
 
     # ---------------------------------------------------------------------------------------------------
     def tokenize(self, text: str, add_special: bool = True) -> list[int]:
@@ -162,6 +167,10 @@ class Engine:
                  top_p: float = 0.95, top_k: int = 40, seed: int | None = None, stop: list[str] | None = None,
                  ignore_eos: bool = False, cancelled: Callable[[], bool] = lambda: False) -> Iterator[str]:
         """Yield text pieces; fill `result`. Waits for the lane first (in arrival order)."""
+        client_gone = cancelled
+
+        def cancelled() -> bool:
+            return self.stopping or client_gone()
         self.lane.acquire()
         try:
             if cancelled():

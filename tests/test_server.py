@@ -3,6 +3,7 @@ spoken to by the official openai client, plain HTTP, a Prometheus parser and hea
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import socket
 import subprocess
@@ -21,7 +22,7 @@ from ggml_expert_pack.packer import build
 ROOT = Path(__file__).resolve().parent.parent
 ARTIFACTS = ROOT / "test-artifacts"
 N_CTX = 512
-
+LOG: dict[str, Path] = {}  # the module server's log, for the tests that read it
 
 
 @pytest.fixture(scope="module")
@@ -31,6 +32,7 @@ def server(synth_model, tmp_path_factory):
     build(model, pack, progress=False)
     port = free_port()
     log = open(pack.parent / "server.log", "w+")
+    LOG["path"] = pack.parent / "server.log"
     cmd = [sys.executable, "-m", "ggml_expert_pack.cli", "serve", "-m", str(pack / "trunk.gguf"),
            "--expert-pack", str(pack), "-c", str(N_CTX), "--port", str(port), "--alias", "tiny-moe", "-t", "2",
            "--stats-file", str(pack.parent / "stats.json"), "--ram-cache-mib", "64"]
@@ -191,9 +193,10 @@ def test_metrics_parse(server):
         assert fams[f"expert_pack_{k}"].type == "gauge", k
     for k in ("acquire", "read", "copy_wait", "prefetch_wait"):  # the step profile, from the stats file's timings
         assert fams[f"expert_pack_{k}_seconds"].type == "counter", k
-    # the default cache holds every expert here (preloaded, never a miss), so the RAM tier is not even allocated
-    # and every cache miss (the preload) was a pack read
-    assert value["expert_pack_ram_misses"] == value["expert_pack_cache_misses"] > 0
+    # the default cache holds every expert here: preloaded (its reads are bytes, not misses), so every step hits and
+    # the RAM tier is not even allocated
+    assert value["expert_pack_cache_hits"] > 0
+    assert value["expert_pack_ram_misses"] == value["expert_pack_cache_misses"] == 0
     assert value["expert_pack_ram_blocks"] == value["expert_pack_ram_hits"] == 0
     assert value["llamacpp:tokens_predicted"] >= 4
     assert value["llamacpp:predicted_tokens_seconds"] > 0  # tok/s
@@ -224,6 +227,73 @@ def test_malformed_request_then_a_good_one(server, path, body, raw, status):
     assert err["message"] and err["type"] == "invalid_request_error"
     got, ok = post(server, "/v1/completions", {"prompt": "still alive?", "max_tokens": 2})
     assert got == 200 and ok["usage"]["completion_tokens"] == 2
+
+
+def raw_post(base, path, raw: bytes, headers: dict) -> tuple[int, dict]:
+    req = urllib.request.Request(base + path, data=raw, headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+JSON = {"Content-Type": "application/json"}
+BAD_BODIES = [  # (path, raw body, headers, status, words in the message)
+    ("/v1/completions", b"[" * 100_000, JSON, 400, "nests too deeply"),
+    ("/completion", b'{"a":' * 50_000 + b"1" + b"}" * 50_000, JSON, 400, "nests too deeply"),
+    ("/completion", b'{"prompt": "\\ud800"}', JSON, 400, "'prompt' holds an unpaired UTF-16 surrogate"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x\\udfff"}]}', JSON, 400,
+     "'messages[0].content' holds an unpaired UTF-16 surrogate"),
+    ("/tokenize", b'{"content": "\\ud83d\\ude00", "x\\ud800": 1}', JSON, 400, "unpaired UTF-16 surrogate"),
+    ("/v1/completions", b'{"prompt": "\xff\xfe"}', JSON, 400, "not valid UTF-8: byte 0xff at offset 12"),
+    ("/v1/completions", b'{"prompt": "x", "max_tokens": 1}', {"Content-Type": "text/plain"}, 415,
+     "Content-Type 'text/plain' is not JSON"),
+    ("/tokenize", b"\x89PNG\r\n\x1a\n", {"Content-Type": "image/png"}, 415, "'image/png' is not JSON"),
+    ("/tokenize", b'{"content": "x"}', {"Content-Type": "multipart/form-data; boundary=x"}, 415, "is not JSON"),
+    ("/tokenize", b'{"content": "x"}', {"Content-Type": "application/json; charset=latin-1"}, 415, "must be UTF-8"),
+    ("/v1/completions", b'{"prompt": "x", "temperature": NaN}', JSON, 400, "NaN is not a JSON value"),
+    ("/v1/completions", b'{"prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}", JSON, 400, "not valid JSON"),
+]
+
+
+@pytest.mark.parametrize("path,raw,headers,status,words", BAD_BODIES, ids=[
+    "deep-array", "deep-object", "surrogate", "surrogate-in-messages", "surrogate-in-key", "not-utf8", "text-plain",
+    "image-png", "multipart", "latin1", "nan", "huge-int"])
+def test_bad_body_is_a_4xx_and_the_server_stays_healthy(server, path, raw, headers, status, words):
+    got, r = raw_post(server, path, raw, headers)
+    assert got == status, r
+    err = r["error"]
+    assert words in err["message"] and err["type"] == "invalid_request_error", err
+    if status == 415:
+        assert err["code"] == "unsupported_media_type"
+    assert json.loads(get(server, "/health"))["status"] == "ok"
+
+
+@pytest.mark.parametrize("ctype", ["application/json", "application/json; charset=utf-8",
+                                   "Application/JSON;charset=UTF-8", None, "application/x-www-form-urlencoded"])
+def test_json_content_types_accepted(server, ctype):
+    # no Content-Type counts as JSON, as llama-server takes it; form-urlencoded is what `curl -d` and urllib send
+    # by default, so the common `curl URL -d '{...}'` works too
+    import http.client
+    host, port = server.removeprefix("http://").split(":")
+    c = http.client.HTTPConnection(host, int(port), timeout=30)
+    c.request("POST", "/tokenize", b'{"content": "Hello"}', {} if ctype is None else {"Content-Type": ctype})
+    r = c.getresponse()
+    assert r.status == 200 and json.loads(r.read())["tokens"]
+    c.close()
+
+
+def test_request_log_lines(server):
+    status, r = post(server, "/v1/completions", {"prompt": "log me", "max_tokens": 2})
+    assert status == 200
+    n_prompt = r["usage"]["prompt_tokens"]
+    post(server, "/v2/nothing", {})
+    text = LOG["path"].read_text()
+    assert re.search(rf"^request: POST /v1/completions 127\.0\.0\.1 200 [\d.]+ ms prompt_tokens={n_prompt} "
+                     r"completion_tokens=2$", text, re.M), text[-3000:]
+    assert re.search(r"^request: POST /v2/nothing 127\.0\.0\.1 404 [\d.]+ ms$", text, re.M), text[-3000:]
+    assert "request: GET /health" not in text  # polled: not logged when healthy
 
 
 def test_unknown_endpoint_and_method(server):
@@ -293,6 +363,29 @@ def test_disconnect_stops_generation(server):
     got, ok = post(server, "/v1/completions", {"prompt": "next", "max_tokens": 2})
     assert got == 200
     print(f"\nserver freed {freed_s * 1e3:.0f} ms after the client closed")
+
+
+def test_disconnect_from_a_non_streamed_request_leaves_no_traceback(server):
+    cancelled0 = _metric(server, "llamacpp:n_requests_cancelled")
+    body = json.dumps({"prompt": "A long story:", "n_predict": N_CTX - 16, "ignore_eos": True})
+    host, port = server.removeprefix("http://").split(":")
+    s = socket.create_connection((host, int(port)))
+    s.sendall(f"POST /completion HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+              f"Content-Length: {len(body)}\r\n\r\n{body}".encode())
+    t0 = time.perf_counter()
+    while _metric(server, "llamacpp:requests_processing") == 0:  # the generation has started
+        assert time.perf_counter() - t0 < 60, "the generation never started"
+        time.sleep(0.01)
+    s.close()
+    while _metric(server, "llamacpp:n_requests_cancelled") == cancelled0:
+        assert time.perf_counter() - t0 < 60, "generation was not stopped"
+        time.sleep(0.01)
+    got, ok = post(server, "/v1/completions", {"prompt": "next", "max_tokens": 2})
+    assert got == 200
+    text = LOG["path"].read_text()
+    assert "Traceback" not in text, text[-3000:]
+    assert re.search(r"^request: POST /completion 127\.0\.0\.1 499 [\d.]+ ms prompt_tokens=\d+ completion_tokens=\d+ "
+                     r"\(client disconnected\)$", text, re.M), text[-3000:]
 
 
 # --- the chat page -------------------------------------------------------------------------------------------
