@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import socket
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -183,7 +184,7 @@ def run(base: str, system: str, n_predict: int = 200, budget_s: float = 3600.0, 
             r.prompt_n, r.prompt_ms = int(t["prompt_n"]), float(t["prompt_ms"])
             r.predicted_n, r.predicted_ms = int(t["predicted_n"]), float(t["predicted_ms"])
             rep.completed += 1
-        except (urllib.error.URLError, OSError, KeyError, ValueError) as e:
+        except (urllib.error.URLError, OSError, KeyError, ValueError, TypeError) as e:
             r.error = f"{type(e).__name__}: {e}"
         r.wall_s = time.time() - t0
         after = pack_counters(base)
@@ -239,7 +240,19 @@ def write_json(rep: Report, path: Path) -> None:
 
 
 def load_reports(paths) -> list[dict]:
-    return [json.loads(Path(p).read_text()) for p in paths]
+    """The bench reports among `paths`; other JSON files in the folder are skipped with a note on stderr."""
+    out = []
+    for p in paths:
+        try:
+            rep = json.loads(Path(p).read_text())
+            ok = isinstance(rep, dict) and isinstance(rep.get("system"), str) and isinstance(rep.get("summary"), dict)
+        except (OSError, ValueError):
+            ok = False
+        if ok:
+            out.append(rep)
+        else:
+            print(f"bench-client: skipping {p}: not a bench-client report", file=sys.stderr)
+    return out
 
 
 def markdown_table(reports: list[dict], baseline: str | None = None) -> str:
@@ -274,6 +287,15 @@ def markdown_table(reports: list[dict], baseline: str | None = None) -> str:
 
 def plot(reports: list[dict], path: Path) -> None:
     """Bar charts of prefill and decode tok/s per system and dataset (PNG)."""
+    fig = figure(reports)
+    import matplotlib.pyplot as plt
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def figure(reports: list[dict]):
+    """The plot's figure: linear axes from 0, each bar labelled with its value, so that bars compare by length
+    (a log axis made 59.5 and 60.5 tok/s look 10x apart)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -281,21 +303,59 @@ def plot(reports: list[dict], path: Path) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for ax, key, title in ((axes[0], "prefill_tok_s", "prefill tok/s"), (axes[1], "decode_tok_s", "decode tok/s")):
         width = 0.38
+        top = 0.0
         for j, ds in enumerate(("alpaca", "mmlu")):
             vals = [r["summary"].get(ds, {}).get(key, 0.0) for r in reports]
-            ax.bar([i + (j - 0.5) * width for i in range(len(systems))], vals, width, label=ds)
+            top = max([top, *vals])
+            bars = ax.bar([i + (j - 0.5) * width for i in range(len(systems))], vals, width, label=ds)
+            ax.bar_label(bars, labels=[_label(v) for v in vals], padding=2, fontsize=8)
         ax.set_xticks(range(len(systems)), systems, rotation=20, ha="right")
         ax.set_title(title)
-        ax.set_yscale("log" if any(r["summary"].get("all", {}).get(key, 0) > 0 for r in reports) else "linear")
+        ax.set_yscale("linear")
+        ax.set_ylim(0, top * 1.15 if top > 0 else 1.0)  # from 0, with room for the labels
         ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    return fig
+
+
+def _label(v: float) -> str:
+    return f"{v:.0f}" if v >= 100 else f"{v:.1f}" if v >= 10 else f"{v:.2f}"
+
+
+class BenchError(RuntimeError):
+    """The workload could not run (server unreachable, nothing completed); the message says why in one line."""
+
+
+def check_reachable(base: str, timeout_s: float = 10.0) -> None:
+    """Fail with one line unless something answers HTTP at `base` (any status: a server that is still loading
+    answers 503 and the run's requests then wait for it)."""
+    if not base.startswith(("http://", "https://")):
+        raise BenchError(f"{base}: not an http:// or https:// URL")
+    try:
+        with urllib.request.urlopen(base.rstrip("/") + "/health", timeout=timeout_s):
+            pass
+    except urllib.error.HTTPError:
+        pass  # it answered
+    except (urllib.error.URLError, OSError, ValueError) as e:
+        reason = getattr(e, "reason", e)
+        raise BenchError(f"cannot reach {base}: {reason}") from None
 
 
 def main_run(args) -> int:
-    rep = run(args.url, args.system, n_predict=args.n_predict, budget_s=args.budget_s)
+    if args.n_predict <= 0:
+        raise BenchError(f"--n-predict must be positive, not {args.n_predict}")
+    if not args.budget_s > 0:
+        raise BenchError(f"--budget-s must be positive, not {args.budget_s}")
+    if not args.system or "/" in args.system or args.system.startswith("."):
+        raise BenchError(f"--system {args.system!r}: give a plain name (it names the JSON file)")
     out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise BenchError(f"--out {out} exists and is not a folder")
+    check_reachable(args.url)
+    rep = run(args.url, args.system, n_predict=args.n_predict, budget_s=args.budget_s)
+    if not rep.completed:  # nothing measured: no JSON, which would enter every later table and plot as zeros
+        first = next((r.error for r in rep.results if r.error), "no request was sent")
+        raise BenchError(f"no request completed against {args.url} ({first}); nothing written")
     out.mkdir(parents=True, exist_ok=True)
     write_json(rep, out / f"{args.system}.json")
     reports = load_reports(sorted(out.glob("*.json")))
@@ -305,4 +365,4 @@ def main_run(args) -> int:
     except ImportError:
         print("matplotlib is not installed: no plot (pip install matplotlib)")
     print(markdown_table([asdict(rep)]))
-    return 0 if rep.completed else 1
+    return 0

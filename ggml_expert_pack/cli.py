@@ -170,7 +170,9 @@ def add_build(sub) -> None:
 
 def cmd_verify(args) -> int:
     from .packer import verify
+    from .packer.format import check_pack_dir
     from .packer.verify import VerifyError
+    check_pack_dir(args.pack)  # a path that is not a pack directory is bad input (exit 2), not a failed check
     try:
         rep = verify(args.pack, quick=args.quick, progress=False if args.quiet else None)
     except VerifyError as e:
@@ -192,14 +194,20 @@ def add_verify(sub) -> None:
 
 
 def cmd_inspect(args) -> int:
+    from .packer.format import check_pack_dir
     from .packer.inspect import render, summary
+    check_pack_dir(args.pack)
     s = summary(args.pack)
     print(json.dumps(s, indent=2) if args.json else render(s))
     return 0
 
 
 def add_inspect(sub) -> None:
-    p = sub.add_parser("inspect", help="show what a pack holds: layers, experts, types, sizes, source, hashes")
+    p = sub.add_parser("inspect", help="show what a pack holds: layers, experts, types, sizes, source, hashes",
+                       description="Show what DIR holds: MoE layers, experts and top-k, expert types and sizes, "
+                       "strides, the source, hashes, and the expert cache sizes (minimum, suggested, all resident). "
+                       "The pack is checked first as verify --quick checks it; a pack that fails is refused with "
+                       "verify's message (exit 2).")
     p.add_argument("pack", help="pack directory")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_inspect)
@@ -299,6 +307,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="expert-pack", description="Run MoE models larger than GPU memory by "
                                  "streaming routed experts from an SSD expert pack.")
     ap.add_argument("--version", action="version", version=f"expert-pack {__version__}")
+    ap.add_argument("--debug", action="store_true", help="on an error, show the Python traceback too")
     sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add_demo(sub)
     add_build(sub)
@@ -316,25 +325,44 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _one_line(e: BaseException) -> str:
+    """An exception as one line: the message (OSError: file and reason), never a traceback."""
+    if isinstance(e, OSError) and e.strerror:
+        msg = f"{e.filename}: {e.strerror}" if e.filename is not None else e.strerror
+    else:
+        msg = str(e) or type(e).__name__
+        if not isinstance(e, (ValueError, RuntimeError, OSError)):  # not a refusal we raise: say what it was
+            msg = f"{type(e).__name__}: {msg} (--debug shows where)"
+    return " ".join(msg.split())
+
+
 def main(argv: list[str] | None = None) -> int:
     from .tools import TOOLS, exec_tool
     argv = sys.argv[1:] if argv is None else list(argv)
+    debug = bool(argv) and argv[0] == "--debug"
+    if debug and len(argv) > 1 and argv[1] in TOOLS:
+        argv = argv[1:]
     if argv and argv[0] in TOOLS:  # the fork's own tools take their own flags: pass everything through
         try:
             exec_tool(argv[0], argv[1:])
         except (ValueError, FileNotFoundError, OSError) as e:
-            print(f"expert-pack {argv[0]}: error: {e}", file=sys.stderr)
+            if debug:
+                raise
+            print(f"expert-pack {argv[0]}: error: {_one_line(e)}", file=sys.stderr)
             return 2
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError, RuntimeError, OSError) as e:
-        msg = str(e) if not isinstance(e, OSError) or e.filename is None else f"{e.filename}: {e.strerror}"
-        print(f"expert-pack {args.command}: error: {msg}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
+        if args.debug:
+            raise
+        print(f"expert-pack {args.command}: interrupted", file=sys.stderr)
         return 130
+    except Exception as e:  # bad input ends in one line; --debug shows the traceback
+        if args.debug:
+            raise
+        print(f"expert-pack {args.command}: error: {_one_line(e)}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

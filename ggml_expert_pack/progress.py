@@ -14,7 +14,8 @@ class Progress:
         self.bar = None
         if self.enabled:
             from tqdm import tqdm
-            self.bar = tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr)
+            # decimal units: tqdm labels its prefixes kB/MB/GB whatever the divisor, so 1024 would print MiB as MB
+            self.bar = tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1000, file=sys.stderr)
 
     def update(self, n: int) -> None:
         self.done += n

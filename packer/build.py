@@ -8,7 +8,8 @@ worker threads from the pack's pages (still in the page cache) while the next la
 Safety: a free-space check up front (numbers in the message), everything written under temporary names,
 fsynced, and renamed into place at the end; the pack header -- what makes a pack valid -- is written
 last, and the manifest is renamed last. An interrupted build leaves only *.partial files, which the next
-build removes.
+build removes, and removes the output folder again if it created it. With --force the old pack stays until
+the new one is complete, unless the disk has no room for both.
 """
 from __future__ import annotations
 
@@ -118,7 +119,22 @@ def build(model: str | Path, out_dir: str | Path, force: bool = False, progress:
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise BuildError(f"{out} exists and is not a directory")
+    # the folders this build creates go again if it fails: an interrupted build leaves nothing behind
+    created = [p for p in (out, *out.parents) if not p.exists()]
     out.mkdir(parents=True, exist_ok=True)
+    try:
+        return _build(src, out, force, progress, log, force_uniform, t0)
+    except BaseException:
+        for p in created:  # deepest first; only if empty (another process may have put something there)
+            try:
+                p.rmdir()
+            except OSError:
+                break
+        raise
+
+
+def _build(src: Source, out: Path, force: bool, progress: bool | None, log: Callable[[str], None],
+           force_uniform: bool | None, t0: float) -> BuildResult:
     for stale in out.glob(f".*{PARTIAL}"):
         stale.unlink()
     existing = existing_pack_files(out)
@@ -143,10 +159,17 @@ def build(model: str | Path, out_dir: str | Path, force: bool = False, progress:
                              alignment=src.meta.alignment)
     trunk_size = trunk.total_size
 
-    for p in existing:  # --force: the old pack goes before the space check counts on its room
-        p.unlink()
     free = shutil.disk_usage(out).free
     need = pack_size + trunk_size + SPACE_MARGIN
+    if existing and free < need:
+        # --force without room for both: the old pack makes the room (otherwise it stays until the new one is
+        # complete, so that a failed rebuild loses nothing)
+        old = sum(p.stat().st_size for p in existing)
+        if free + old >= need:
+            log(f"removing the old pack in {out} first: no room for both ({_fmt(free)} free)")
+            for p in existing:
+                p.unlink()
+            free = shutil.disk_usage(out).free
     if free < need:
         raise BuildError(f"not enough space in {out}: need {_fmt(need)} (pack {_fmt(pack_size)} + trunk "
                          f"{_fmt(trunk_size)}), {_fmt(free)} free")

@@ -10,12 +10,12 @@ from pathlib import Path
 
 import numpy as np
 
-from ..gguf_file import GGUFFormatError, read_header
-from ..ggml_types import nbytes
+from ..gguf_file import GGUFFormatError
 from ..progress import Progress
-from .format import (ALIGNMENT, FLAG_UNIFORM_STRIDE, HEADER_SIZE, PACK_FILE, TRUNK_FILE, TRUNK_KV_PACK_ID,
-                     TRUNK_KV_SOURCE, LayerLayout, PackHeader, layers_from_manifest, layout_identity, load_manifest,
-                     manifest_digest, pack_id)
+from .source import SourceError, check_hparams, check_tensor_types, read_gguf
+from .format import (ALIGNMENT, FLAG_UNIFORM_STRIDE, HEADER_SIZE, TRUNK_KV_PACK_ID, TRUNK_KV_SOURCE, LayerLayout,
+                     ManifestError, PackHeader, layers_from_manifest, layout_identity, load_manifest, manifest_digest,
+                     pack_id, plan_block, plan_layers, validate_manifest, xxh3_hex)
 
 
 class VerifyError(ValueError):
@@ -37,37 +37,46 @@ def _check(cond: bool, msg: str) -> None:
 
 
 def check_structure(m: dict) -> list[LayerLayout]:
-    """Everything that can be checked from the manifest alone."""
-    try:
-        layers = layers_from_manifest(m)
-    except (KeyError, TypeError, ValueError) as e:
-        raise VerifyError(f"manifest.json: malformed layer table ({e})") from e
-    _check(manifest_digest(m) == m.get("manifest_digest"),
+    """Everything that can be checked from the manifest alone: fields (validate_manifest), the digest, the
+    pack_id, and that the layout is exactly the one the packer writes for these roles (so that no offset, stride
+    or size can point outside its block or the pack, even in a manifest whose digests were recomputed)."""
+    # the digest first (as the loader checks it): an edited manifest is named as such, whatever the edit broke
+    _check(isinstance(m.get("manifest_digest"), str), "manifest.json: manifest_digest is missing or not a string")
+    _check(manifest_digest(m) == m["manifest_digest"],
            "manifest.json was modified after the build (its digest does not match its content)")
-    _check(pack_id(layout_identity(m["source"]["fingerprint"], m["n_experts"], layers)) == m.get("pack_id"),
+    try:
+        validate_manifest(m)
+    except ManifestError as e:
+        raise VerifyError(str(e)) from None
+    layers = layers_from_manifest(m)
+    _check(pack_id(layout_identity(m["source"]["fingerprint"], m["n_experts"], layers)) == m["pack_id"],
            "manifest.json: the layout does not match its pack_id")
     n_exp, pack = m["n_experts"], m["pack"]
-    _check(pack["alignment"] == ALIGNMENT and pack["data_start"] % ALIGNMENT == 0,
-           f"manifest.json: data_start {pack['data_start']} is not {ALIGNMENT}-aligned")
+    planned, uniform = plan_layers([(l.layer, *plan_block([(r.role, r.tensor, r.type, r.shape) for r in l.roles]))
+                                    for l in layers], n_exp, force_uniform=pack["uniform_stride"])
     expect = pack["data_start"]
-    for l, lj in zip(layers, m["layers"]):
+    for l, p in zip(layers, planned):
         where = f"layer {l.layer}"
         _check(l.offset % ALIGNMENT == 0, f"{where}: block offset {l.offset} is not {ALIGNMENT}-aligned")
         _check(l.expert_stride % ALIGNMENT == 0, f"{where}: expert stride {l.expert_stride} is not {ALIGNMENT}-aligned")
         _check(l.offset == expect, f"{where}: blocks start at {l.offset}, expected {expect} (gap or overlap)")
         _check(0 < l.block_bytes <= l.expert_stride, f"{where}: block of {l.block_bytes} bytes in a stride of {l.expert_stride}")
         end = 0
-        for r in l.roles:
-            _check(r.shape[2] == n_exp, f"{where} {r.role}: {r.shape[2]} experts, expected {n_exp}")
-            _check(r.bytes == nbytes(r.type, r.shape[:2]), f"{where} {r.role}: {r.bytes} bytes for {r.type.name} {r.shape[:2]}")
+        for r, pr in zip(l.roles, p.roles):
+            _check(r.role == pr.role, f"{where}: roles out of order ({', '.join(x.role for x in l.roles)})")
             _check(r.offset >= end, f"{where} {r.role}: overlaps the previous role")
+            _check(r.offset == pr.offset, f"{where} {r.role}: at offset {r.offset} in the block, the packer puts it "
+                                          f"at {pr.offset}")
             end = r.offset + r.bytes
         _check(end <= l.block_bytes, f"{where}: roles end at {end}, past the block's {l.block_bytes} bytes")
-        _check(len(lj.get("checksums", [])) == n_exp, f"{where}: checksum count is not {n_exp}")
+        _check(l.block_bytes == p.block_bytes, f"{where}: block_bytes {l.block_bytes}, its roles end at {p.block_bytes}")
         if pack["uniform_stride"]:
             _check(l.expert_stride == pack["expert_stride"], f"{where}: stride differs from the pack's uniform stride")
+        _check(l.expert_stride == p.expert_stride, f"{where}: expert stride {l.expert_stride}, the packer's is "
+                                                   f"{p.expert_stride}")
         expect = l.offset + l.expert_stride * n_exp
-    _check(pack["data_start"] == HEADER_SIZE, f"manifest.json: data_start {pack['data_start']}, expected {HEADER_SIZE}")
+    if not pack["uniform_stride"]:
+        _check(pack["expert_stride"] == 0, "manifest.json: pack.expert_stride is set but strides are per layer")
     _check(expect == pack["data_start"] + pack["data_size"] == pack["size"],
            f"manifest.json: layers end at {expect}, data region ends at {pack['data_start'] + pack['data_size']}, "
            f"pack size {pack['size']}")
@@ -77,15 +86,16 @@ def check_structure(m: dict) -> list[LayerLayout]:
 def verify(pack_dir: str | Path, quick: bool = False, progress: bool | None = None) -> VerifyReport:
     d = Path(pack_dir)
     try:
-        m = load_manifest(d)
-    except (FileNotFoundError, ValueError) as e:
-        raise VerifyError(str(e)) from e
+        m = load_manifest(d, validate=False)  # check_structure validates, with VerifyError
+    except ManifestError as e:
+        raise VerifyError(str(e)) from None
     layers = check_structure(m)
     pid, n_exp = m["pack_id"], m["n_experts"]
 
     # the pack file and its header
     pack_path = d / m["pack"]["file"]
-    _check(pack_path.exists(), f"{pack_path.name} is missing")
+    _check(pack_path.is_file(), f"{pack_path.name} is missing" if not pack_path.exists() else
+           f"{pack_path.name} is not a file")
     size = pack_path.stat().st_size
     _check(size == m["pack"]["size"], f"{pack_path.name} is {size} bytes, the manifest says {m['pack']['size']} "
                                       f"({'truncated' if size < m['pack']['size'] else 'too long'})")
@@ -104,16 +114,33 @@ def verify(pack_dir: str | Path, quick: bool = False, progress: bool | None = No
            (len(layers), n_exp, m["pack"]["data_start"], m["pack"]["data_size"]),
            f"{pack_path.name}: header geometry does not match the manifest")
     _check(bool(h.flags & FLAG_UNIFORM_STRIDE) == m["pack"]["uniform_stride"], f"{pack_path.name}: stride flag mismatch")
+    _check(h.expert_stride == m["pack"]["expert_stride"], f"{pack_path.name}: header stride {h.expert_stride}, the "
+                                                          f"manifest says {m['pack']['expert_stride']}")
 
     # the trunk
     trunk_path = d / m["trunk"]["file"]
-    _check(trunk_path.exists(), f"{trunk_path.name} is missing")
+    _check(trunk_path.is_file(), f"{trunk_path.name} is missing" if not trunk_path.exists() else
+           f"{trunk_path.name} is not a file")
     _check(trunk_path.stat().st_size == m["trunk"]["size"],
            f"{trunk_path.name} is {trunk_path.stat().st_size} bytes, the manifest says {m['trunk']['size']}")
+    if "header_checksum" in m["trunk"]:  # the metadata llama.cpp loads, checked without reading the data
+        with open(trunk_path, "rb") as f:
+            head = f.read(m["trunk"]["header_size"])
+        _check(xxh3_hex(head) == m["trunk"]["header_checksum"],
+               f"{trunk_path.name}: its header (metadata and tensor infos) was modified after the build")
     try:
-        th = read_header(trunk_path)
+        th = read_gguf(trunk_path)
     except GGUFFormatError as e:
-        raise VerifyError(f"{trunk_path.name}: {e}") from e
+        raise VerifyError(f"{trunk_path.name}: {e}") from None
+    _check(th.arch == m["source"]["arch"], f"{trunk_path.name}: architecture {th.arch!r}, the manifest says "
+                                           f"{m['source']['arch']!r}")
+    try:  # what llama.cpp would refuse or abort on when it loads the trunk
+        check_tensor_types(th.tensors)
+        check_hparams(th, n_exp, {l.layer: {r.role: r.shape for r in l.roles} for l in layers})
+    except SourceError as e:
+        raise VerifyError(f"{trunk_path.name}: {e}") from None
+    need = max((t.offset + t.nbytes for t in th.tensors), default=th.data_offset)
+    _check(need <= th.file_size, f"{trunk_path.name}: tensor data ends at {need}, past the file's {th.file_size} bytes")
     _check(th.get(TRUNK_KV_PACK_ID) == pid,
            f"{trunk_path.name} belongs to another pack ({TRUNK_KV_PACK_ID} {th.get(TRUNK_KV_PACK_ID)}, manifest {pid})")
     _check(th.get(TRUNK_KV_SOURCE) == m["source"]["fingerprint"], f"{trunk_path.name}: source fingerprint mismatch")

@@ -1,10 +1,12 @@
-"""Packer: byte-exact round trips, layout rules, the trunk, corruption detection and bad input (issue 3)."""
+"""Packer: byte-exact round trips, layout rules, the trunk, corruption detection and bad input; the CLI's errors."""
 from __future__ import annotations
 
 import importlib
 import json
 import os
+import re
 import shutil
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +15,7 @@ from gguf import GGMLQuantizationType as T
 
 from ggml_expert_pack.cli import main as cli
 from ggml_expert_pack.gguf_file import read_header
-from ggml_expert_pack.gguf_stream import GGUFStreamWriter, TensorInfo, kv_str, kv_u32
+from ggml_expert_pack.gguf_stream import GGUFStreamWriter, TensorInfo, kv_f32, kv_str, kv_u32
 from ggml_expert_pack.packer import BuildError, SourceError, VerifyError, build, open_source, verify
 from ggml_expert_pack.packer.format import (ALIGNMENT, HEADER_SIZE, MANIFEST_FILE, PACK_FILE, TRUNK_FILE,
                                             layers_from_manifest, load_manifest)
@@ -236,6 +238,12 @@ def _tiny_gguf(path: Path, tensors: list[TensorInfo], arch="qwen3moe", extra_kvs
     return path
 
 
+def _HPARAMS(n_embd: int, n_layer: int, used: int = 2):
+    """The hyperparameters llama.cpp requires of every model (a source without them is refused)."""
+    return [kv_u32("qwen3moe.block_count", n_layer), kv_u32("qwen3moe.context_length", 256),
+            kv_u32("qwen3moe.embedding_length", n_embd), kv_u32("qwen3moe.expert_used_count", used)]
+
+
 def _assert_nothing_written(out: Path):
     assert not out.exists() or not any(out.iterdir()), list(out.iterdir())
 
@@ -284,7 +292,7 @@ def test_merged_gate_up(tmp_path):
     for il in (1, 2):
         t += [TensorInfo(f"blk.{il}.ffn_gate_up_exps.weight", (64, 256, 4), T.Q8_0),
               TensorInfo(f"blk.{il}.ffn_down_exps.weight", (128, 64, 4), T.Q8_0)]
-    src = _tiny_gguf(tmp_path / "m.gguf", t, extra_kvs=[kv_u32("qwen3moe.expert_count", 4)])
+    src = _tiny_gguf(tmp_path / "m.gguf", t, extra_kvs=[kv_u32("qwen3moe.expert_count", 4), *_HPARAMS(64, 3)])
     # random content so that a misplaced byte shows
     rng = np.random.default_rng(0)
     h = read_header(src)
@@ -321,8 +329,9 @@ def test_interrupted_build_leaves_nothing_valid_and_rerun_works(synth_model, tmp
     out = tmp_path / "out"
     with pytest.raises(KeyboardInterrupt):
         build(synth_model("qwen3moe"), out)
-    _assert_nothing_written(out)
-    # a build killed outright leaves .partial files: the next build removes them
+    assert not out.exists()  # the build created the folder, so it removed it again
+    # a build killed outright (no cleanup runs) leaves its folder and .partial files: the next build removes them
+    out.mkdir()
     (out / ".experts.pack.partial").write_bytes(b"\0" * 8192)
     monkeypatch.setattr(b, "_pack_layer", real)
     build(synth_model("qwen3moe"), out)
@@ -363,3 +372,330 @@ def test_cli_inspect(packs, capsys):
     assert cli(["inspect", str(pack)]) == 0
     text = capsys.readouterr().out
     assert "pack id" in text and "Q2_K x1 layers" in text
+
+
+# ---- what users found: every case refused in one line, or handled ----------------------------------------
+
+def _rewrite_gguf(src: Path, dst: Path, kvs: dict | None = None, types: dict | None = None) -> Path:
+    """A well-formed copy of GGUF `src` with KVs replaced (key -> KV, or None to drop it) and tensors retyped
+    (name -> type; the data cut or zero-padded to the new size, every offset recomputed)."""
+    from ggml_expert_pack.ggml_types import nbytes
+    kvs, types = kvs or {}, types or {}
+    h = read_header(src)
+    out_kvs = [kvs.get(k, kv) for k, kv in h.kvs.items() if kvs.get(k, kv) is not None]
+    out_kvs += [kv for k, kv in kvs.items() if k not in h.kvs and kv is not None]
+    infos = [TensorInfo(t.name, t.shape, types.get(t.name, t.type)) for t in h.tensors]
+    w = GGUFStreamWriter(dst, out_kvs, infos, alignment=h.alignment)
+    with open(src, "rb") as f, open(dst, "wb") as o:
+        w.begin(o)
+        for t, info in zip(h.tensors, infos):
+            f.seek(t.offset)
+            n = nbytes(info.type, info.shape)
+            w.write_tensor_data([(f.read(min(n, t.nbytes)) + bytes(n))[:n]])
+        w.end()
+    return dst
+
+
+def _one_line_error(capsys, rc_expected, argv, match):
+    rc = cli(argv)
+    err = capsys.readouterr().err
+    lines = [l for l in err.splitlines() if l.strip()]
+    assert rc == rc_expected and len(lines) == 1 and "Traceback" not in err, (rc, err)
+    assert re.search(match, lines[0]), lines[0]
+    return lines[0]
+
+
+def _manifest_field_paths(m):
+    """Every key of the manifest's objects (the layer table's first layer and role stand for all)."""
+    out = []
+    for k, v in m.items():
+        out.append((k,))
+        if isinstance(v, dict):
+            out += [(k, kk) for kk in v]
+    out += [("layers", 0, k) for k in m["layers"][0]]
+    out += [("layers", 0, "roles", 0, k) for k in m["layers"][0]["roles"][0]]
+    return out
+
+
+def test_inspect_and_verify_refuse_every_deleted_field_in_one_line(packs, tmp_path, capsys):
+    """inspect printed a KeyError/TypeError traceback when a field (e.g. a layer's offset) was missing."""
+    pack = _copy_pack(packs("qwen3moe")[1], tmp_path)
+    good = (pack / MANIFEST_FILE).read_text()
+    m0 = json.loads(good)
+    paths = _manifest_field_paths(m0)
+    assert ("layers", 0, "offset") in paths and len(paths) > 30
+    for path in paths:
+        m = json.loads(good)
+        obj = m
+        for p in path[:-1]:
+            obj = obj[p]
+        del obj[path[-1]]
+        (pack / MANIFEST_FILE).write_text(json.dumps(m))
+        for cmd, rc in (("inspect", 2), ("verify", 1)):
+            _one_line_error(capsys, rc, [cmd, str(pack)] + (["--quiet"] if cmd == "verify" else []), r"\S")
+    (pack / MANIFEST_FILE).write_text(good)
+    assert cli(["inspect", str(pack)]) == 0
+
+
+@pytest.mark.parametrize("text, match", [("[]", "a JSON array, not an object"), ('"x"', "a JSON string"),
+                                         ("0", "a JSON number"), ("{}", "not an expert-pack manifest"),
+                                         ("[" * 100000, "nested too deeply|not valid JSON"),
+                                         ('{"format": "expert-pack", "version": 1, "n_experts": NaN}',
+                                          "not valid JSON")])
+def test_manifest_that_is_not_an_object(packs, tmp_path, capsys, text, match):
+    pack = _copy_pack(packs("qwen3moe")[1], tmp_path)
+    (pack / MANIFEST_FILE).write_text(text)
+    with pytest.raises(VerifyError, match=match):
+        verify(pack, quick=True)
+    _one_line_error(capsys, 1, ["verify", str(pack), "--quiet"], match)
+    _one_line_error(capsys, 2, ["inspect", str(pack)], match)
+
+
+def test_reserved_header_bytes_must_be_zero(packs, tmp_path):
+    pack = _copy_pack(packs("qwen3moe")[1], tmp_path)
+    with open(pack / PACK_FILE, "r+b") as f:
+        f.seek(2000)
+        f.write(b"\x01")
+    with pytest.raises(VerifyError, match="reserved byte 2000 is not zero"):
+        verify(pack, quick=True)
+
+
+def test_verify_and_inspect_name_a_missing_path_or_a_file(packs, tmp_path, capsys):
+    for cmd in ("verify", "inspect"):
+        _one_line_error(capsys, 2, [cmd, str(tmp_path / "nope.pack")], r"nope\.pack: no such directory$")
+        _one_line_error(capsys, 2, [cmd, str(packs("qwen3moe")[1] / MANIFEST_FILE)], r"is a file, not a pack directory")
+        (tmp_path / "empty").mkdir(exist_ok=True)
+        _one_line_error(capsys, 2 if cmd == "inspect" else 1, [cmd, str(tmp_path / "empty")], r"no manifest\.json")
+
+
+def _retype_in_place(src: Path, dst: Path, name: str, ttype) -> Path:
+    """A copy of `src` in which only the type field of 1-D tensor `name`'s info changes."""
+    shutil.copyfile(src, dst)
+    raw = dst.read_bytes()
+    at = raw.index(name.encode()) + len(name) + 4 + 8  # n_dims (u32) and one dim (u64) follow the name
+    assert raw[at:at + 4] == int(T.F32).to_bytes(4, "little")
+    with open(dst, "r+b") as f:
+        f.seek(at)
+        f.write(int(ttype).to_bytes(4, "little"))
+    return dst
+
+
+def test_norm_in_mxfp4_is_refused_naming_the_tensor(synth_model, tmp_path, capsys):
+    """A norm retyped F32 -> MXFP4 was packed, and the pack aborted in ggml_compute_forward_mul at the first decode.
+    Retyped in place (the tensor infos no longer match the data, which gguf.cpp refuses) and rewritten as a
+    well-formed GGUF (which stock llama.cpp loads and then aborts on): both refused, naming the tensor."""
+    src = synth_model("qwen3moe")
+    name = "blk.1.attn_norm.weight"
+    relaid = _rewrite_gguf(src, tmp_path / "relaid.gguf", types={name: T.MXFP4})
+    with pytest.raises(SourceError, match=rf"tensor {re.escape(name)} is MXFP4, but llama.cpp needs F32"):
+        build(relaid, tmp_path / "out")
+    _assert_nothing_written(tmp_path / "out")
+    inplace = _retype_in_place(src, tmp_path / "inplace.gguf", name, T.MXFP4)
+    _one_line_error(capsys, 2, ["build", str(inplace), "-o", str(tmp_path / "out2"), "--quiet"],
+                    rf"after {re.escape(name)} \(MXFP4 \[256\]: 136 bytes")
+    assert not (tmp_path / "out2").exists()
+
+
+@pytest.mark.parametrize("tensor, ttype, match", [
+    ("output_norm.weight", T.F16, "needs F32"),
+    ("blk.0.ffn_gate_inp.weight", T.I32, "a float or quantized type"),
+    ("token_embd.weight", T.I8, "a float or quantized type"),
+])
+def test_tensor_types_llama_cpp_cannot_run(synth_model, tmp_path, tensor, ttype, match):
+    src = _rewrite_gguf(synth_model("qwen3moe"), tmp_path / "x.gguf", types={tensor: ttype})
+    with pytest.raises(SourceError, match=rf"tensor {re.escape(tensor)} is {ttype.name}, .*{match}"):
+        build(src, tmp_path / "out")
+
+
+def test_type_whose_block_does_not_divide_the_row(synth_model, tmp_path):
+    src = _retype_in_place(synth_model("qwen3moe"), tmp_path / "x.gguf", "blk.0.attn_q_norm.weight", T.Q4_K)
+    with pytest.raises(SourceError, match=r"blk\.0\.attn_q_norm\.weight.*64 is not a multiple of the Q4_K block"):
+        build(src, tmp_path / "out")
+
+
+def test_tensor_types_are_llama_cpps_table():
+    """llama_ops.TENSOR_OPS is what the vendored llama-arch.cpp says (regenerate it with parse_llama_arch)."""
+    from ggml_expert_pack.packer import llama_ops
+    arch = (Path(__file__).resolve().parent.parent / "vendor" / "upstream" / "llama_cpp_python-0.3.36" / "vendor" /
+            "llama.cpp" / "src" / "llama-arch.cpp")
+    if not arch.exists():
+        pytest.skip("the vendored tree is not unpacked")
+    assert llama_ops.parse_llama_arch(arch.read_text()) == llama_ops.TENSOR_OPS
+    assert llama_ops.ops_for("blk.3.attn_norm.weight") == ["MUL"]
+    assert llama_ops.ops_for("blk.3.ffn_up_exps.bias") == ["ADD"]
+    assert llama_ops.allowed_types("something.new", 1) == {T.F32}
+    assert llama_ops.allowed_types("something.new", 2) is None
+
+
+@pytest.mark.parametrize("key, kv, match", [
+    ("qwen3moe.expert_count", kv_u32("qwen3moe.expert_count", 0), r"qwen3moe\.expert_count is 0"),
+    ("qwen3moe.expert_used_count", kv_u32("qwen3moe.expert_used_count", 0), r"expert_used_count is 0"),
+    ("qwen3moe.expert_used_count", kv_u32("qwen3moe.expert_used_count", 17), r"expert_used_count is 17, expected 1\.\.16"),
+    ("qwen3moe.expert_used_count", kv_str("qwen3moe.expert_used_count", "4"), r"expert_used_count has type string"),
+    ("qwen3moe.expert_used_count", None, r"expert_used_count is missing"),
+    ("qwen3moe.attention.layer_norm_rms_epsilon", kv_f32("qwen3moe.attention.layer_norm_rms_epsilon", float("-inf")),
+     r"layer_norm_rms_epsilon is -inf: not a finite number"),
+    ("qwen3moe.attention.layer_norm_rms_epsilon", kv_f32("qwen3moe.attention.layer_norm_rms_epsilon", float("nan")),
+     r"not a finite number"),
+    ("qwen3moe.attention.layer_norm_rms_epsilon", kv_f32("qwen3moe.attention.layer_norm_rms_epsilon", 0.0),
+     r"layer_norm_rms_epsilon is 0\.0, expected a positive number"),
+    ("qwen3moe.rope.freq_base", kv_f32("qwen3moe.rope.freq_base", -1.0), r"freq_base is -1\.0"),
+    ("qwen3moe.block_count", kv_u32("qwen3moe.block_count", 0), r"block_count is 0"),
+    ("qwen3moe.block_count", kv_u32("qwen3moe.block_count", 2), r"blk\.2 holds routed experts but qwen3moe\.block_count is 2"),
+    ("qwen3moe.context_length", kv_u32("qwen3moe.context_length", 0), r"context_length is 0"),
+    ("qwen3moe.embedding_length", kv_u32("qwen3moe.embedding_length", 128), r"experts take 256 inputs"),
+    ("qwen3moe.attention.head_count_kv", kv_u32("qwen3moe.attention.head_count_kv", 3), r"head_count_kv is 3"),
+    ("general.alignment", kv_u32("general.alignment", 48), r"general\.alignment must be a power of two"),
+])
+def test_hyperparameters_out_of_range(synth_model, tmp_path, capsys, key, kv, match):
+    src = _rewrite_gguf(synth_model("qwen3moe"), tmp_path / "x.gguf", kvs={key: kv})
+    with pytest.raises(SourceError, match=match):
+        build(src, tmp_path / "out")
+    _one_line_error(capsys, 2, ["build", str(src), "-o", str(tmp_path / "out"), "--quiet"], match)
+    _assert_nothing_written(tmp_path / "out")
+
+
+def _reseal_trunk(pack: Path) -> None:
+    """Record a replaced trunk in the manifest (size, checksums) and the new manifest digest in the pack header, as
+    a build would: the pack is then consistent, and only what is inside the trunk can be wrong."""
+    from ggml_expert_pack.packer.format import PackHeader, manifest_digest
+    m = json.loads((pack / MANIFEST_FILE).read_text())
+    data = (pack / TRUNK_FILE).read_bytes()
+    head = read_header(pack / TRUNK_FILE).data_offset
+    m["trunk"].update(size=len(data), checksum=xxh3_128(data).hex(), header_size=head,
+                      header_checksum=xxh3_128(data[:head]).hex())
+    m["manifest_digest"] = manifest_digest(m)
+    (pack / MANIFEST_FILE).write_text(json.dumps(m))
+    with open(pack / PACK_FILE, "r+b") as f:
+        h = PackHeader.unpack(f.read(HEADER_SIZE))
+        h.manifest_digest = bytes.fromhex(m["manifest_digest"])
+        f.seek(0)
+        f.write(h.pack())
+
+
+@pytest.mark.parametrize("key, kv, match", [
+    ("qwen3moe.expert_count", kv_u32("qwen3moe.expert_count", 0), r"expert_count is 0"),
+    ("qwen3moe.attention.layer_norm_rms_epsilon", kv_f32("qwen3moe.attention.layer_norm_rms_epsilon", float("-inf")),
+     r"layer_norm_rms_epsilon is -inf"),
+])
+def test_trunk_hyperparameters_are_checked_by_verify(packs, tmp_path, key, kv, match):
+    """A trunk whose expert_count is 0 or whose epsilon is -inf made llama.cpp abort at load: verify --quick
+    refuses it, also when the manifest was rewritten to match the trunk."""
+    pack = _copy_pack(packs("qwen3moe")[1], tmp_path)
+    _rewrite_gguf(packs("qwen3moe")[1] / TRUNK_FILE, pack / TRUNK_FILE, kvs={key: kv})
+    with pytest.raises(VerifyError, match="trunk.gguf"):
+        verify(pack, quick=True)
+    _reseal_trunk(pack)
+    with pytest.raises(VerifyError, match=rf"trunk.gguf: .*{match}"):
+        verify(pack, quick=True)
+
+
+def test_progress_bar_units_match_its_counts(monkeypatch):
+    """The bar said MB/s while counting MiB: its units are decimal now, as tqdm labels them."""
+    import io
+    from ggml_expert_pack.progress import Progress
+    buf = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", buf)
+    bar = Progress(10_000_000, "pack", True)
+    bar.update(5_000_000)
+    bar.bar.refresh()
+    bar.close()
+    assert "5.00M/10.0M" in buf.getvalue(), buf.getvalue()  # with 1024 it read 4.77M/9.54M
+
+
+def test_interrupted_build_leaves_no_folder(synth_model, tmp_path, monkeypatch):
+    b = importlib.import_module("ggml_expert_pack.packer.build")
+    real = b._pack_layer
+
+    def dies(*a, **k):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(b, "_pack_layer", dies)
+    out = tmp_path / "new" / "out.pack"
+    with pytest.raises(KeyboardInterrupt):
+        build(synth_model("qwen3moe"), out)
+    assert not out.exists() and not out.parent.exists()
+    # a folder that existed stays
+    out.mkdir(parents=True)
+    with pytest.raises(KeyboardInterrupt):
+        build(synth_model("qwen3moe"), out)
+    assert out.is_dir() and not any(out.iterdir())
+    monkeypatch.setattr(b, "_pack_layer", real)
+
+
+def test_failed_forced_rebuild_keeps_the_old_pack(packs, tmp_path, monkeypatch):
+    src, pack = packs("qwen3moe")
+    dst = _copy_pack(pack, tmp_path)
+    b = importlib.import_module("ggml_expert_pack.packer.build")
+
+    def dies(*a, **k):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(b, "_pack_layer", dies)
+    with pytest.raises(OSError):
+        build(src, dst, force=True)
+    verify(dst)  # the old pack, intact
+
+
+def test_inspect_shows_top_k_and_cache_sizes(packs, capsys):
+    pack = packs("qwen3moe")[1]
+    assert cli(["inspect", str(pack), "--json"]) == 0
+    s = json.loads(capsys.readouterr().out)
+    assert s["n_expert_used"] == 4
+    c = s["cache"]
+    assert c["suggested_slots"] == 8  # 16 experts, top-4: a quarter of them, and at least two tokens' worth
+    assert c["minimum_bytes"] < c["suggested_bytes"] < c["all_resident_bytes"]
+    assert cli(["inspect", str(pack)]) == 0
+    text = capsys.readouterr().out
+    assert "top-4 per token" in text and "expert cache  suggested" in text and "--cache-mib" in text
+
+
+def test_inspect_minimum_cache_is_what_loading_needs(packs):
+    """The minimum inspect prints is the provider's: a cache of it loads, 0.2 MiB less is refused."""
+    from llama_cpp import Llama
+    from ggml_expert_pack.packer.inspect import summary
+    pack = packs("qwen3moe")[1]
+    need = summary(pack)["cache"]["minimum_bytes"] / 2**20
+    llm = Llama(model_path=str(pack / TRUNK_FILE), expert_pack={"pack_dir": str(pack), "cache_vram_mib": need + 0.05},
+                n_ctx=64, verbose=False)
+    llm.close()
+    with pytest.raises(ValueError, match="expert cache too small"):
+        Llama(model_path=str(pack / TRUNK_FILE), expert_pack={"pack_dir": str(pack), "cache_vram_mib": need - 0.2},
+              n_ctx=64, verbose=False)
+
+
+def test_bench_client_against_a_dead_server_writes_nothing(tmp_path, capsys):
+    from ggml_expert_pack.bench_client import free_port
+    out = tmp_path / "results"
+    _one_line_error(capsys, 2, ["bench-client", f"http://127.0.0.1:{free_port()}", "--system", "x", "--out", str(out)],
+                    r"cannot reach http://127\.0\.0\.1:\d+")
+    assert not out.exists()
+    _one_line_error(capsys, 2, ["bench-client", "localhost:8080", "--system", "x", "--out", str(out)],
+                    "not an http:// or https:// URL")
+
+
+def test_bench_plot_is_linear_from_zero_with_value_labels():
+    pytest.importorskip("matplotlib")
+    from ggml_expert_pack.bench_client import figure
+    reports = [{"system": s, "summary": {"alpaca": {"prefill_tok_s": p, "decode_tok_s": d},
+                                         "mmlu": {"prefill_tok_s": p, "decode_tok_s": d}}}
+               for s, p, d in (("a", 800.0, 59.5), ("b", 810.0, 60.5))]
+    fig = figure(reports)
+    for ax in fig.axes:
+        assert ax.get_yscale() == "linear" and ax.get_ylim()[0] == 0
+    labels = {t.get_text() for ax in fig.axes for t in ax.texts}
+    assert {"59.5", "60.5", "800", "810"} <= labels
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["build", "nope.gguf", "-o", "x"], "nope.gguf: no such file"),
+    (["synth", "x.gguf", "--config", "nope.json"], "nope.json"),
+    (["policy-sim", "nope.npz"], "nope.npz"),
+    (["routing-stats", "nope.gguf"], "nope.gguf"),
+])
+def test_cli_bad_input_is_one_line(tmp_path, capsys, monkeypatch, argv, match):
+    monkeypatch.chdir(tmp_path)
+    _one_line_error(capsys, 2, argv, match)
+
+
+def test_debug_shows_the_traceback(tmp_path):
+    with pytest.raises(ValueError, match="no such directory"):
+        cli(["--debug", "inspect", str(tmp_path / "nope")])
