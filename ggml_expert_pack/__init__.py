@@ -7,7 +7,7 @@ Subpackages:
   pybind   cffi binding to the runtime provider's C API                 (source folder pybind/)
   server   llama-server-compatible HTTP server                          (source folder server/)
 """
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 # The wheel installs packer/, server/ and pybind/ inside this package. In a source checkout they sit beside
 # it; extending __path__ makes `ggml_expert_pack.packer` import the same way in both layouts (e.g. when

@@ -217,27 +217,66 @@ def add_inspect(sub) -> None:
 # demo
 
 def cmd_demo(args) -> int:
+    """The product end to end on a small model: synthesize, pack, run with a cache that evicts, compare."""
+    from .packer import build
     from .synth import SHAPES, SynthConfig, generate
-    model = Path(args.dir) / "demo-qwen3moe.gguf"
+    d = Path(args.dir)
+    d.mkdir(parents=True, exist_ok=True)
+    cfg = SynthConfig(arch="qwen3moe", **{**SHAPES["tiny"], "n_layer": 8, "n_expert": 32, "n_expert_used": 4,
+                                          "name": "expert-pack demo"})
+    model, pack = d / "demo-qwen3moe.gguf", d / "demo-qwen3moe.pack"
+    say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     if not model.exists():
-        print(f"generating a small qwen3moe model in {model} ...", file=sys.stderr)
-        generate(SynthConfig(arch="qwen3moe", **SHAPES["tiny"]), model, log=lambda m: print(m, file=sys.stderr))
+        say(f"1. synthesizing a small MoE model (qwen3moe, {cfg.n_layer} layers x {cfg.n_expert} experts, "
+            f"top-{cfg.n_expert_used}, random weights) -> {model}")
+        generate(cfg, model, progress=False)
+    else:
+        say(f"1. model: {model}")
+    if not (pack / "manifest.json").exists():
+        say(f"2. packing it: every routed expert as one 4096-aligned block -> {pack}/")
+        build(model, pack, force=True, progress=False, log=lambda m: None)
+    else:
+        say(f"2. pack: {pack}/")
     from llama_cpp import Llama
-    llm = Llama(model_path=str(model), n_ctx=512, verbose=False, seed=0)
-    t0 = time.time()
+    slots = max(cfg.n_expert_used + 1, cfg.n_expert // 4)
+    from .lossless import cache_mib_for_slots
+    cache_mib = cache_mib_for_slots(pack, slots)
+    say(f"3. running {pack}/trunk.gguf with experts streamed from the pack (O_DIRECT) into a cache of "
+        f"{cache_mib:.2f} MiB: {slots} of {cfg.n_expert} experts per layer, so it evicts")
+    llm = Llama(model_path=str(pack / "trunk.gguf"), expert_pack={"pack_dir": str(pack), "cache_vram_mib": cache_mib},
+                n_ctx=512, verbose=False, seed=0)
+    say("   " + llm._expert_pack.summary)
+    t0 = time.perf_counter()
     out = llm(args.prompt, max_tokens=args.tokens, temperature=0)
-    dt = time.time() - t0
-    n = out["usage"]["completion_tokens"]
-    print(f"prompt: {args.prompt!r}\ncompletion ({n} tokens, {n / dt:.1f} tok/s; random weights, so gibberish): "
-          f"{out['choices'][0]['text']!r}")
-    return 0
+    dt = time.perf_counter() - t0
+    st = llm.expert_pack_stats()
+    text, n = out["choices"][0]["text"], out["usage"]["completion_tokens"]
+    llm.close()
+    say("4. the same prompt through stock llama.cpp on the original GGUF (every expert in memory)")
+    ref = Llama(model_path=str(model), n_ctx=512, verbose=False, seed=0)
+    ref_text = ref(args.prompt, max_tokens=args.tokens, temperature=0)["choices"][0]["text"]
+    ref.close()
+    same = ref_text == text
+    print(f"prompt:      {args.prompt!r}")
+    print(f"completion:  {text!r}  (random weights: gibberish by design)")
+    print(f"speed:       {n} tokens in {dt:.2f} s = {n / dt:.1f} tok/s (prompt included)")
+    print(f"cache:       hit rate {st['hit_rate']:.3f} ({st['cache_hits']} hits, {st['cache_misses']} misses, "
+          f"{st['cache_evictions']} evictions), {st['pack_read_bytes'] / max(n, 1) / 1e6:.2f} MB read from the "
+          f"pack per token")
+    print(f"lossless:    {'identical to' if same else 'DIFFERENT FROM'} stock llama.cpp's output on the original")
+    return 0 if same else 1
 
 
 def add_demo(sub) -> None:
-    p = sub.add_parser("demo", help="generate a small model (once) and run it")
-    p.add_argument("--dir", default="models", help="where the demo model lives (default ./models)")
+    p = sub.add_parser("demo", help="the product on a small model: synthesize, pack, run with an evicting cache, "
+                       "compare with stock llama.cpp",
+                       description="Synthesize a small MoE model (once), build its expert pack, generate with the "
+                       "experts streamed from the pack into a cache that holds a quarter of them, and print the text, "
+                       "tok/s, hit rate, MB read per token and whether the output equals stock llama.cpp's on the "
+                       "original. Exit 1 if it does not.")
+    p.add_argument("--dir", default="models", help="where the demo model and pack live (default ./models)")
     p.add_argument("--prompt", default="The capital of France is")
-    p.add_argument("--tokens", type=int, default=32)
+    p.add_argument("--tokens", type=int, default=32, help="tokens to generate (default 32)")
     p.set_defaults(func=cmd_demo)
 
 
@@ -306,7 +345,8 @@ def add_policy_sim(sub) -> None:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="expert-pack", description="Run MoE models larger than GPU memory by "
                                  "streaming routed experts from an SSD expert pack.")
-    ap.add_argument("--version", action="version", version=f"expert-pack {__version__}")
+    ap.add_argument("--version", action="version", version=f"expert-pack {__version__} (llama_cpp: patched "
+                    f"llama-cpp-python 0.3.36 with llama.cpp 0c1e570)")
     ap.add_argument("--debug", action="store_true", help="on an error, show the Python traceback too")
     sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add_demo(sub)

@@ -31,7 +31,7 @@ from ..gguf_stream import GGUFStreamWriter, TensorInfo, fsync_path, kv_str
 from ..progress import Progress
 from .format import (ALIGNMENT, CHECKSUM_ALGO, FLAG_UNIFORM_STRIDE, HEADER_SIZE, MANIFEST_FILE, PACK_FILE,
                      TRUNK_FILE, TRUNK_KV_PACK_ID, TRUNK_KV_SOURCE, VERSION, LayerLayout, PackHeader,
-                     layout_identity, manifest_digest, pack_id, plan_block, plan_layers)
+                     layout_identity, manifest_digest, pack_id, plan_block, plan_layers, xxh3_hex)
 from .source import Source, describe, open_source
 
 PARTIAL = ".partial"
@@ -207,7 +207,7 @@ def _build(src: Source, out: Path, force: bool, progress: bool | None, log: Call
                 trunk_sum = hasher.submit(_file_checksum, trunk_fd, trunk_size).result()
             del pack_map
             manifest = _manifest(src, layers, uniform, pid, fp, pack_size, data_size, checksums, trunk_size,
-                                 trunk_sum, len(trunk_tensors))
+                                 trunk_sum, len(trunk_tensors), len(trunk_header), xxh3_hex(trunk_header))
             header = PackHeader(n_layers=len(layers), n_experts=n_exp,
                                 flags=FLAG_UNIFORM_STRIDE if uniform else 0, data_start=HEADER_SIZE,
                                 data_size=data_size, expert_stride=layers[0].expert_stride if uniform else 0,
@@ -295,7 +295,7 @@ def _file_checksum(fd: int, size: int) -> str:
 
 def _manifest(src: Source, layers: list[LayerLayout], uniform: bool, pid: str, fp: str, pack_size: int,
               data_size: int, checksums: dict[int, list[str]], trunk_size: int, trunk_checksum: str,
-              n_trunk: int) -> dict:
+              n_trunk: int, trunk_header_size: int, trunk_header_checksum: str) -> dict:
     m = {
         "format": "expert-pack", "version": VERSION, "pack_id": pid, "created_by": f"expert-pack {__version__}",
         "source": {"fingerprint": fp, "arch": src.arch, "name": src.meta.get("general.name", ""),
@@ -304,7 +304,9 @@ def _manifest(src: Source, layers: list[LayerLayout], uniform: bool, pid: str, f
         "pack": {"file": PACK_FILE, "size": pack_size, "header_size": HEADER_SIZE, "data_start": HEADER_SIZE,
                  "data_size": data_size, "alignment": ALIGNMENT, "uniform_stride": uniform,
                  "expert_stride": layers[0].expert_stride if uniform else 0, "checksum": CHECKSUM_ALGO},
-        "trunk": {"file": TRUNK_FILE, "size": trunk_size, "checksum": trunk_checksum, "n_tensors": n_trunk},
+        # header_checksum covers the trunk's header and KV region ([0, header_size)): what loading checks cheaply
+        "trunk": {"file": TRUNK_FILE, "size": trunk_size, "checksum": trunk_checksum, "n_tensors": n_trunk,
+                  "header_size": trunk_header_size, "header_checksum": trunk_header_checksum},
         "n_experts": src.n_experts,
         "layers": [dict(l.to_json(), checksums=checksums[l.layer]) for l in layers],
     }

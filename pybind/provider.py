@@ -13,6 +13,9 @@ CONFIG_KEYS = ("pack_path", "manifest_path", "cache_vram_mib", "cache_vram_reser
                "read_threads",
                "direct_io", "stats_path", "stats_flush_interval", "verify_pack_sha256", "ram_cache_mib", "trace_path",
                "ram_tier_mode", "prefetch")
+# the command-line spellings (expert-pack serve's flags, without dashes) of keys whose names differ
+FLAG_NAMES = {"cache_mib": "cache_vram_mib", "cache_reserve_mib": "cache_vram_reserve_mib", "stats_file": "stats_path",
+              "expert_pack": "pack_dir", "pack": "pack_dir", "ram_mib": "ram_cache_mib", "verify": "verify_pack_sha256"}
 STATS_FIELDS = ("cache_hits", "cache_misses", "cache_evictions", "pack_read_bytes", "h2d_bytes", "fallback_count",
                 "io_errors", "steps", "ram_hits", "ram_misses", "ram_evictions", "ram_spills", "ram_blocks",
                 "ram_bytes",
@@ -39,13 +42,23 @@ def normalize_config(expert_pack: str | os.PathLike | Mapping[str, Any], **overr
         if not isinstance(pack_dir, (str, os.PathLike)):
             raise ValueError(f"expert_pack key 'pack_dir' must be a path, got {pack_dir!r}")
         d = Path(pack_dir)
+        if not d.exists():
+            raise ValueError(f"expert_pack: {d}: no such directory")
         if not d.is_dir():
-            raise ValueError(f"expert_pack: {d} is not a directory")
+            raise ValueError(f"expert_pack: {d} is a file, not a pack directory (give the folder that holds "
+                             f"manifest.json, experts.pack and trunk.gguf)")
+        if not (d / "manifest.json").is_file():
+            raise ValueError(f"expert_pack: {d} is not an expert pack (no manifest.json; build one with "
+                             f"`expert-pack build MODEL.gguf -o {d}`)")
         cfg.setdefault("pack_path", str(d / "experts.pack"))
         cfg.setdefault("manifest_path", str(d / "manifest.json"))
     for key in cfg:
         if key not in CONFIG_KEYS:
-            raise ValueError(f"unknown expert_pack key '{key}'")
+            import difflib
+            close = ([FLAG_NAMES[key]] if key in FLAG_NAMES else
+                     difflib.get_close_matches(key, CONFIG_KEYS + ("pack_dir",), n=1, cutoff=0.5))
+            hint = f"; did you mean '{close[0]}'?" if close else f" (the keys: pack_dir, {', '.join(CONFIG_KEYS)})"
+            raise ValueError(f"unknown expert_pack key '{key}'{hint}")
     try:
         text = json.dumps(cfg)
     except TypeError as e:
@@ -112,6 +125,23 @@ class Provider:
     def slots_per_layer(self) -> int:
         self._check()
         return lib().expert_pack_slots_per_layer(self._h)
+
+    @property
+    def summary(self) -> str:
+        """One line saying how the cache was sized ("" before a model is loaded with the provider)."""
+        self._check()
+        n = lib().expert_pack_summary(self._h, ffi().NULL, 0)
+        buf = ffi().new("char[]", n + 1)
+        lib().expert_pack_summary(self._h, buf, n + 1)
+        return ffi().string(buf).decode()
+
+    def timeline(self) -> dict:
+        """The per-layer timeline of the last complete step (src/timeline.h): microseconds from its first acquire."""
+        self._check()
+        n = lib().expert_pack_timeline_json(self._h, ffi().NULL, 0)
+        buf = ffi().new("char[]", n + 1)
+        lib().expert_pack_timeline_json(self._h, buf, n + 1)
+        return json.loads(ffi().string(buf).decode())
 
     @property
     def max_ubatch(self) -> int:

@@ -99,7 +99,7 @@ def test_stats_without_pack_is_an_error(stock):
     ({"pack_dir": None, "cache_vram_mb": 1}, "cache_vram_mb"),
     ({"read_splits": "two"}, "read_splits"),
     ({"direct_io": 1}, "direct_io"),
-    ({"ram_cache_mib": "1024"}, "ram_cache_mib"),
+    ({"ram_cache_mib": "1024 apples"}, "ram_cache_mib"),  # "1024", "1G" and "auto" are sizes; this is not
     ({"read_threads": 0}, "read_threads"),
     ({"trace_path": 3}, "trace_path"),
 ])

@@ -13,7 +13,7 @@ import pytest
 
 from ggml_expert_pack.lossless import cache_mib_for_slots, run
 from ggml_expert_pack.packer import build
-from ggml_expert_pack.packer.format import MANIFEST_FILE, PACK_FILE, layers_from_manifest, load_manifest
+from ggml_expert_pack.packer.format import MANIFEST_FILE, PACK_FILE, layers_from_manifest, load_manifest, manifest_digest
 from ggml_expert_pack.pybind.provider import Policy, Provider, normalize_config
 
 K = 4  # experts per token in the tiny models
@@ -71,10 +71,13 @@ def test_lossless_bit_for_bit(model_and_pack, kind, slots):
     layers = layers_from_manifest(m)
     assert stats["io_errors"] == 0
     if slots is None:
-        # every expert fits: preloaded at start into slot == expert, and the graph needs no acquire op at all
-        assert stats["cache_misses"] == len(layers) * m["n_experts"]
+        # every expert fits: preloaded at start into slot == expert, and the graph needs no acquire op at all; the
+        # load is not a miss, and each step's experts count as hits (min(n_experts, k * n_tokens) per layer)
+        assert stats["cache_misses"] == stats["cache_evictions"] == 0
         assert stats["pack_read_bytes"] == sum(l.read_bytes for l in layers) * m["n_experts"]
-        assert stats["cache_hits"] == stats["steps"] == stats["cache_evictions"] == 0
+        assert stats["steps"] == len(with_pack.routing)
+        assert stats["cache_hits"] == sum(min(m["n_experts"], ids.size) for step in with_pack.routing
+                                          for ids in step.values())
         return
     # counters: one hit or miss per distinct (layer, expert) per step
     keys = sum(len(np.unique(ids)) for step in with_pack.routing for ids in step.values())
@@ -194,7 +197,7 @@ def test_policy_matches_reference_on_a_long_trace(n_slots, n_experts, k, n_steps
     (dict(stage_slots=0), "'stage_slots' must be an integer"),
     (dict(read_splits="4"), "'read_splits' must be an integer"),
     (dict(direct_io="yes"), "'direct_io' must be true or false"),
-    (dict(cache_vram_mib=-1), "'cache_vram_mib' must be a number"),
+    (dict(cache_vram_mib=-1), "'cache_vram_mib' must be a size in MiB"),
     (dict(stats_flush_interval=1.5), "'stats_flush_interval' must be an integer"),
 ])
 def test_bad_config_names_the_key(model_and_pack, cfg, match):
@@ -217,6 +220,7 @@ def test_misaligned_pack_is_a_startup_error(model_and_pack, tmp_path):
     shutil.copytree(pack, bad)
     m = json.loads((bad / MANIFEST_FILE).read_text())
     m["layers"][1]["offset"] += 512
+    m["manifest_digest"] = manifest_digest(m)  # a consistent manifest, only misaligned
     (bad / MANIFEST_FILE).write_text(json.dumps(m))
     with pytest.raises(RuntimeError, match="misaligned pack: layer 1"):
         Provider.open(bad)

@@ -3,7 +3,8 @@
 
 The upstream tree is never committed. This script:
   1. finds the sdist named in vendor/upstream.lock.json in vendor/cache/, or downloads it from the package
-     registry by name and version (`pip download --no-binary :all: --no-deps`);
+     index pip is configured with, by name and version
+     (`pip download --no-deps --no-binary llama-cpp-python llama-cpp-python==VERSION`);
   2. checks its sha256 against the lock file (a mismatch is fatal);
   3. unpacks it into vendor/upstream/ (ignored by git);
   4. applies vendor/patches/*.patch in order; a hunk that does not apply stops with the patch's name and
@@ -34,7 +35,6 @@ import subprocess
 import sys
 import tarfile
 import tempfile
-import urllib.request
 from pathlib import Path
 
 VENDOR = Path(__file__).resolve().parent
@@ -72,37 +72,30 @@ def default_tree() -> Path:
 
 
 def _pip_download(dest: Path) -> None:
+    """`pip download` of this one package as an sdist, through whatever index pip is configured with.
+
+    Only llama-cpp-python is taken as source (`--no-binary NAME`); pip prepares its metadata in an isolated
+    build environment of its own, whose build requirements (scikit-build-core) come as wheels, so this works
+    from a fresh virtualenv, the system Python and inside pip's own isolated build environment alike."""
     spec = f"{LOCK['name']}=={LOCK['version']}"
-    args = ["download", "--no-binary", ":all:", "--no-deps", "--no-build-isolation", "-d", str(dest), spec]
-    # --no-build-isolation: pip prepares the sdist's metadata; without it pip would build cmake from source
-    # (":all:" applies to the build requirements too), which takes many minutes.
+    args = ["download", "--no-deps", "--no-binary", LOCK["name"], "--progress-bar", "off", "-d", str(dest), spec]
     candidates = [[sys.executable, "-m", "pip"]]
     py3 = shutil.which("python3")
     if py3 and os.path.realpath(py3) != os.path.realpath(sys.executable):
         candidates.append([py3, "-m", "pip"])
     env = dict(os.environ)
     env.pop("PYTHONPATH", None)  # inside pip's isolated build env, PYTHONPATH hides the real site-packages
+    env.pop("PIP_NO_BUILD_ISOLATION", None)  # the nested metadata step needs its own build env
     last = ""
     for pip in candidates:
         r = subprocess.run(pip + args, capture_output=True, text=True, env=env)
         if r.returncode == 0:
             return
-        last = (r.stderr or r.stdout).strip().splitlines()[-5:]
-        last = "\n".join(last)
-    raise PrepareError(f"pip download {spec} failed:\n{last}")
-
-
-def _registry_download(dest: Path) -> None:
-    """Fallback when no pip can run (e.g. inside an isolated build env): the registry's JSON API."""
-    url = f"https://pypi.org/pypi/{LOCK['name']}/{LOCK['version']}/json"
-    with urllib.request.urlopen(url, timeout=60) as r:
-        meta = json.load(r)
-    for f in meta.get("urls", []):
-        if f.get("filename") == LOCK["filename"]:
-            with urllib.request.urlopen(f["url"], timeout=600) as r, open(dest / LOCK["filename"], "wb") as out:
-                shutil.copyfileobj(r, out, 1 << 20)
-            return
-    raise PrepareError(f"{LOCK['filename']} not listed by {url}")
+        last = "\n".join((r.stderr or r.stdout).strip().splitlines()[-5:])
+    raise PrepareError(
+        f"could not download {spec} (sdist) from the package index pip is configured with:\n{last}\n"
+        f"Offline: copy {LOCK['filename']} (sha256 {LOCK['sha256']}) into {CACHE_DIR}/, or unpack a tree made by "
+        f"`python vendor/prepare.py bundle-tree` and set EXPERT_PACK_UPSTREAM to it (README, Builds: Offline).")
 
 
 def fetch_sdist(offline: bool) -> Path:
@@ -120,11 +113,7 @@ def fetch_sdist(offline: bool) -> Path:
             f"`vendor/prepare.py bundle-tree` and set EXPERT_PACK_UPSTREAM to it.")
     log(f"downloading {LOCK['name']}=={LOCK['version']} (sdist) from the package registry")
     with tempfile.TemporaryDirectory(dir=CACHE_DIR) as tmp:
-        try:
-            _pip_download(Path(tmp))
-        except PrepareError as e:
-            log(f"{e}\ntrying the registry's JSON API directly")
-            _registry_download(Path(tmp))
+        _pip_download(Path(tmp))
         got = Path(tmp) / LOCK["filename"]
         if not got.exists():
             raise PrepareError(f"download did not produce {LOCK['filename']}: {os.listdir(tmp)}")
@@ -220,7 +209,7 @@ def sync_patches(tree: Path) -> None:
 def looks_like_upstream(tree: Path) -> bool:
     return ((tree / "vendor/llama.cpp/include/llama.h").is_file()
             and (tree / "llama_cpp/__init__.py").is_file()
-            and f'__version__ = "{LOCK["version"]}"' in (tree / "llama_cpp/__init__.py").read_text())
+            and f'__version__ = "{LOCK["version"]}' in (tree / "llama_cpp/__init__.py").read_text())  # +expertpack.N once patched
 
 
 def ensure_tree(tree: Path | None = None, offline: bool = False) -> Path:

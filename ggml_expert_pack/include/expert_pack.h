@@ -92,6 +92,14 @@ EXPERT_PACK_API const char * expert_pack_last_error(const expert_pack_provider *
 // cannot be split into rounds), once attached.
 EXPERT_PACK_API int32_t  expert_pack_slots_per_layer(const expert_pack_provider * p);
 EXPERT_PACK_API uint32_t expert_pack_max_ubatch(const expert_pack_provider * p);
+// One line saying how the cache was sized, once attached: slots per MoE layer, MiB on each device and where the
+// budget came from, the host-RAM tier, resident layers. Returns the length written (without the terminating 0), or
+// the length needed if buf is too small ("" before attach).
+EXPERT_PACK_API size_t expert_pack_summary(const expert_pack_provider * p, char * buf, size_t len);
+// The per-layer timeline of the last complete step (JSON, src/timeline.h): when each layer's acquire began, its plan,
+// each miss's submit / read start / read end / checksum end / copy queued, and its end (microseconds from the
+// step's first acquire). Returns the length as expert_pack_stats_json does.
+EXPERT_PACK_API size_t expert_pack_timeline_json(const expert_pack_provider * p, char * buf, size_t len);
 
 // ---- llama.cpp integration (the patched libllama calls these) --------------------------------------------
 // Check that the model file belongs with this pack: a trunk must carry this pack's pack_id; an original GGUF
@@ -150,6 +158,10 @@ EXPERT_PACK_API expert_pack_layer * expert_pack_layer_prefetch_target(expert_pac
 EXPERT_PACK_API void expert_pack_prefetch(struct ggml_tensor * dst, int ith, int nth, void * userdata);
 // Non-zero if a step failed since the last call (which clears the flag); the message is expert_pack_last_error.
 EXPERT_PACK_API int expert_pack_take_step_error(expert_pack_provider * p);
+// A graph compute of n_tokens finished: resident layers (every expert cached, no per-step work) count their
+// experts as hits (min(n_experts, k * n_tokens) per layer: exact for single-token steps), and a step in which no
+// layer acquired is counted.
+EXPERT_PACK_API void expert_pack_step_done(expert_pack_provider * p, int64_t n_tokens);
 
 // Test seam: serve rounds on the CPU with the GPU's slot assignment (a token's slot ids distinct).
 EXPERT_PACK_API void expert_pack_test_distinct_round_slots(expert_pack_provider * p, int on);

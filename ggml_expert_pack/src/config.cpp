@@ -2,6 +2,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include <cctype>
+#include <cmath>
 #include <stdexcept>
 
 namespace expert_pack {
@@ -24,11 +26,39 @@ static std::string get_string(const std::string & key, const json & v, bool non_
     return v.get<std::string>();
 }
 
-static double get_number(const std::string & key, const json & v, double min) {
-    if (!v.is_number() || v.is_boolean() || v.get<double>() < min || v.get<double>() != v.get<double>()) {
-        bad(key, "a number >= " + std::to_string((long long) min), v);
+// A size in MiB: a number, or a string with a binary unit ("512M", "8G", "1.5T", "65536K", "100" = MiB);
+// `allow_auto` also takes "auto" (returned as -1: sized at attach).
+static double get_size_mib(const std::string & key, const json & v, bool allow_auto) {
+    const std::string want = std::string("a size in MiB (a number >= 0, or a string such as \"512M\", \"8G\"") +
+                             (allow_auto ? " or \"auto\")" : ")");
+    if (v.is_number() && !v.is_boolean()) {
+        const double x = v.get<double>();
+        if (!(x >= 0) || !std::isfinite(x)) bad(key, want, v);
+        return x;
     }
-    return v.get<double>();
+    if (!v.is_string()) bad(key, want, v);
+    std::string s = v.get<std::string>();
+    while (!s.empty() && isspace((unsigned char) s.back())) s.pop_back();
+    while (!s.empty() && isspace((unsigned char) s.front())) s.erase(s.begin());
+    std::string lower;
+    for (char ch : s) lower += (char) tolower((unsigned char) ch);
+    if (allow_auto && lower == "auto") return -1;
+    size_t used = 0;
+    double x = 0;
+    try {
+        x = std::stod(lower, &used);
+    } catch (const std::exception &) {
+        bad(key, want, v);
+    }
+    std::string unit = lower.substr(used);
+    while (!unit.empty() && isspace((unsigned char) unit.front())) unit.erase(unit.begin());
+    double scale = 0;  // to MiB
+    if (unit.empty() || unit == "m" || unit == "mb" || unit == "mib") scale = 1;
+    else if (unit == "k" || unit == "kb" || unit == "kib") scale = 1.0 / 1024;
+    else if (unit == "g" || unit == "gb" || unit == "gib") scale = 1024;
+    else if (unit == "t" || unit == "tb" || unit == "tib") scale = 1024.0 * 1024;
+    if (scale == 0 || !(x >= 0) || !std::isfinite(x)) bad(key, want, v);
+    return x * scale;
 }
 
 static int32_t get_int(const std::string & key, const json & v, int32_t min, int32_t max) {
@@ -59,8 +89,8 @@ config parse_config(const std::string & json_text) {
     for (const auto & [key, v] : j.items()) {
         if      (key == "pack_path")              c.pack_path = get_string(key, v, true);
         else if (key == "manifest_path")          c.manifest_path = get_string(key, v, true);
-        else if (key == "cache_vram_mib")         c.cache_vram_mib = get_number(key, v, 0);
-        else if (key == "cache_vram_reserve_mib") c.cache_vram_reserve_mib = get_number(key, v, 0);
+        else if (key == "cache_vram_mib")         c.cache_vram_mib = get_size_mib(key, v, false);
+        else if (key == "cache_vram_reserve_mib") c.cache_vram_reserve_mib = get_size_mib(key, v, false);
         else if (key == "stage_slots")            c.stage_slots = get_int(key, v, 1, 1024);
         else if (key == "read_splits")            c.read_splits = get_int(key, v, 1, 64);
         else if (key == "read_threads")           c.read_threads = get_int(key, v, 1, 64);
@@ -68,7 +98,7 @@ config parse_config(const std::string & json_text) {
         else if (key == "stats_path")             c.stats_path = get_string(key, v, false);
         else if (key == "stats_flush_interval")   c.stats_flush_interval = get_int(key, v, 1, 1 << 30);
         else if (key == "verify_pack_sha256")     c.verify_pack_sha256 = get_bool(key, v);
-        else if (key == "ram_cache_mib")          c.ram_cache_mib = get_number(key, v, 0);
+        else if (key == "ram_cache_mib")          c.ram_cache_mib = get_size_mib(key, v, true);
         else if (key == "trace_path")             c.trace_path = get_string(key, v, false);
         else if (key == "prefetch")               c.prefetch = get_bool(key, v);
         else if (key == "ram_tier_mode") {
@@ -82,7 +112,7 @@ config parse_config(const std::string & json_text) {
             throw std::invalid_argument("unknown expert_pack key '" + key + "'");
         }
     }
-    if (c.prefetch && c.ram_cache_mib <= 0) {
+    if (c.prefetch && c.ram_cache_mib == 0) {
         throw std::invalid_argument("expert_pack key 'prefetch' needs the host-RAM tier: prefetched experts land in its "
                                     "blocks (set ram_cache_mib)");
     }

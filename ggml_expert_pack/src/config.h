@@ -10,6 +10,7 @@ namespace expert_pack {
 struct config {
     std::string pack_path;               // experts.pack
     std::string manifest_path;           // manifest.json
+    // sizes are in MiB; the JSON also takes strings with a unit ("512M", "8G", "1.5T")
     double      cache_vram_mib        = 0;      // cache budget on each device (CPU: host arena); 0 = all that fits
     double      cache_vram_reserve_mib = 1024;  // left free on each device
     int32_t     stage_slots           = 4;      // staging buffers (4096-aligned; pinned on a GPU)
@@ -20,7 +21,8 @@ struct config {
     std::string stats_path;                     // stats JSON written every stats_flush_interval steps
     int32_t     stats_flush_interval  = 64;
     bool        verify_pack_sha256    = true;   // verify each block's checksum (XXH3-128) as it is read
-    double      ram_cache_mib         = 0;      // host-RAM tier of whole expert blocks (pinned on a GPU); 0 = off
+    double      ram_cache_mib         = 0;      // host-RAM tier of whole expert blocks (pinned on a GPU); 0 = off;
+                                                // -1 ("auto"): sized at attach from the memory the process can take
     std::string trace_path;                     // append the router's expert ids per step and layer; "" = off
     std::string ram_tier_mode = "spill";        // spill: blocks rank by popularity (a spare copy of an expert on the
                                                 // device goes first) and the device's popular victims are copied back

@@ -1,10 +1,13 @@
 #include "io_engine.h"
 
+#include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <fcntl.h>
-#include <future>
+#include <exception>
+#include <memory>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -19,8 +22,56 @@ static bool test_refuse_odirect() {
     return v && *v && strcmp(v, "0") != 0;
 }
 
+storage_emulator storage_emulator::from_env() {
+    storage_emulator e;
+    const char * v = getenv("EXPERT_PACK_TEST_STORAGE");
+    if (!v || !*v || strcmp(v, "0") == 0 || strcmp(v, "off") == 0) {
+        return e;
+    }
+    double gbps = 0, lat_us = 0;
+    int qd = 32;
+    char u1[8] = {0}, u2[8] = {0};
+    const int n = sscanf(v, "%lf%7[^,],%lf%7[^,],%d", &gbps, u1, &lat_us, u2, &qd);
+    if (n < 4 || strcmp(u1, "GB/s") != 0 || strcmp(u2, "us") != 0 || gbps <= 0 || lat_us < 0 || qd < 1) {
+        throw std::runtime_error(std::string("EXPERT_PACK_TEST_STORAGE=") + v +
+                                 ": expected BANDWIDTH GB/s,LATENCY us[,QUEUE_DEPTH], e.g. 12GB/s,80us,32");
+    }
+    e.bytes_per_ns = gbps;  // 1 GB/s = 1 byte/ns
+    e.latency_ns = lat_us * 1e3;
+    e.queue_depth = qd;
+    return e;
+}
+
+static int64_t now_ns() {
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+        .count();
+}
+
+int64_t io_engine::emulate_begin(size_t len) {
+    std::unique_lock<std::mutex> lk(emu_mu_);
+    emu_cv_.wait(lk, [this] { return emu_in_flight_ < emu_.queue_depth; });
+    ++emu_in_flight_;
+    // the request's latency, then its bytes through the shared pipe after those ahead of it
+    const int64_t start = std::max(now_ns() + (int64_t) emu_.latency_ns, emu_pipe_free_ns_);
+    const int64_t done_at = start + (int64_t) ((double) len / emu_.bytes_per_ns);
+    emu_pipe_free_ns_ = done_at;
+    return done_at;
+}
+
+void io_engine::emulate_end(int64_t done_at) {
+    const int64_t wait = done_at - now_ns();
+    if (wait > 0) {
+        std::this_thread::sleep_for(std::chrono::nanoseconds(wait));
+    }
+    {
+        std::lock_guard<std::mutex> lk(emu_mu_);
+        --emu_in_flight_;
+    }
+    emu_cv_.notify_one();
+}
+
 io_engine::io_engine(const std::string & path, bool direct, int read_splits)
-    : path_(path), direct_(direct), splits_(read_splits < 1 ? 1 : read_splits) {
+    : path_(path), direct_(direct), splits_(read_splits < 1 ? 1 : read_splits), emu_(storage_emulator::from_env()) {
     int flags = O_RDONLY | O_CLOEXEC;
     if (direct) {
         flags |= O_DIRECT;
@@ -101,6 +152,20 @@ void io_engine::worker() {
 }
 
 void io_engine::read_part(uint8_t * dst, uint64_t off, size_t len) {
+    if (emu_.on()) {
+        // the real read (from RAM-backed storage) runs inside the emulated request's time, as a DMA would
+        const int64_t done_at = emulate_begin(len);
+        struct end_request {
+            io_engine * e; int64_t t;
+            ~end_request() { e->emulate_end(t); }
+        } end{this, done_at};
+        read_part_now(dst, off, len);
+        return;
+    }
+    read_part_now(dst, off, len);
+}
+
+void io_engine::read_part_now(uint8_t * dst, uint64_t off, size_t len) {
     size_t done = 0;
     while (done < len) {
         const ssize_t n = pread(fd_, dst + done, len - done, (off_t) (off + done));
@@ -136,36 +201,54 @@ void io_engine::read(void * dst, uint64_t off, size_t len) {
         read_part(d, off, len);
         return;
     }
-    // equal parts, each a multiple of 4096; the caller reads the first, the workers the others
+    // equal parts, each a multiple of 4096; the caller reads the first, the workers the others. The join is a
+    // plain counter under a mutex: std::future's shared state goes through std::call_once, which crashed
+    // (SIGSEGV in llama_decode) where the toolchain links a private static libstdc++ into each shared library.
     const size_t part = (len / splits_ + ALIGN - 1) / ALIGN * ALIGN;
-    std::vector<std::future<void>> futs;
+    struct join_state {
+        std::mutex mu;
+        std::condition_variable cv;
+        size_t pending = 0;
+        std::exception_ptr first;
+        void done(std::exception_ptr err) {
+            std::lock_guard<std::mutex> lk(mu);
+            if (err && !first) first = err;
+            if (--pending == 0) cv.notify_all();
+        }
+    };
+    auto js = std::make_shared<join_state>();
     for (size_t p = part; p < len; p += part) {
-        auto task = std::make_shared<std::packaged_task<void()>>(
-            [this, d, off, p, n = std::min(part, len - p)] { read_part(d + p, off + p, n); });
-        futs.push_back(task->get_future());
+        {
+            std::lock_guard<std::mutex> lk(js->mu);
+            ++js->pending;
+        }
         {
             std::lock_guard<std::mutex> lk(mu_);
-            jobs_.emplace([task] { (*task)(); });
+            jobs_.emplace([this, js, d, off, p, n = std::min(part, len - p)] {
+                std::exception_ptr err;
+                try {
+                    read_part(d + p, off + p, n);
+                } catch (...) {
+                    err = std::current_exception();
+                }
+                js->done(err);
+            });
         }
         cv_.notify_one();
     }
-    std::exception_ptr first;
+    std::exception_ptr mine;
     try {
         read_part(d, off, std::min(part, len));
     } catch (...) {
-        first = std::current_exception();
+        mine = std::current_exception();
     }
-    for (auto & f : futs) {
-        try {
-            f.get();
-        } catch (...) {
-            if (!first) {
-                first = std::current_exception();
-            }
-        }
+    std::unique_lock<std::mutex> lk(js->mu);
+    js->cv.wait(lk, [&] { return js->pending == 0; });
+    if (mine) {
+        std::rethrow_exception(mine);
     }
-    if (first) {
-        std::rethrow_exception(first);
+    if (js->first) {
+        std::rethrow_exception(js->first);
     }
 }
 

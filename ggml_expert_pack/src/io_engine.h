@@ -21,6 +21,19 @@ struct io_error : std::runtime_error {
     using std::runtime_error::runtime_error;
 };
 
+// A storage emulator for benchmarks (test seam, off in the product): every request (a read, or each sub-read of a
+// split read) waits a per-request latency, then its bytes pass a pipe of the given bandwidth shared by all
+// requests, with at most `queue_depth` requests in flight, on top of the real read. Read from RAM-backed storage,
+// this measures decode on a drive of that speed. Set by EXPERT_PACK_TEST_STORAGE="12GB/s,80us,32".
+struct storage_emulator {
+    double bytes_per_ns = 0;  // 0: off
+    double latency_ns = 0;
+    int queue_depth = 32;
+
+    static storage_emulator from_env();  // throws std::runtime_error on a malformed value
+    bool on() const { return bytes_per_ns > 0; }
+};
+
 class io_engine {
 public:
     // Opens `path`; with `direct`, fails (std::runtime_error naming the cause) if the filesystem refuses O_DIRECT.
@@ -41,8 +54,13 @@ public:
     bool direct() const { return direct_; }
     uint64_t retried_short_reads() const { return short_reads_.load(); }
 
+    const storage_emulator & emulated() const { return emu_; }
+
 private:
     void read_part(uint8_t * dst, uint64_t off, size_t len);
+    void read_part_now(uint8_t * dst, uint64_t off, size_t len);
+    int64_t emulate_begin(size_t len);  // the emulated drive takes a request: when it completes (steady ns)
+    void emulate_end(int64_t done_at);  // ... waits until then and frees its queue slot
     void worker();
 
     std::string path_;
@@ -59,6 +77,12 @@ private:
     std::condition_variable cv_;
     std::queue<std::function<void()>> jobs_;
     bool stop_ = false;
+
+    storage_emulator emu_;
+    std::mutex emu_mu_;
+    std::condition_variable emu_cv_;
+    int emu_in_flight_ = 0;
+    int64_t emu_pipe_free_ns_ = 0;  // steady-clock time at which the emulated transfer pipe is free
 };
 
 }  // namespace expert_pack

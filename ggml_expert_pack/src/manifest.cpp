@@ -4,6 +4,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <cerrno>
 #include <cstring>
 #include <fstream>
 #include <sstream>
@@ -62,71 +63,207 @@ const layer_layout * manifest::find_layer(int32_t layer) const {
     return nullptr;
 }
 
+// XXH3-128 of the canonical JSON of `j` (keys sorted, no whitespace, ASCII): what the packer hashes (packer/format.py)
+static std::string canonical_digest(const json & j) {
+    const std::string text = j.dump(-1, ' ', true, json::error_handler_t::strict);
+    uint8_t d[16];
+    expert_pack_xxh3_128(text.data(), text.size(), d);
+    return to_hex(d, 16);
+}
+
+// an integer field in [lo, hi] (never a float, a bool or a string), named in the error
+static int64_t get_int(const json & o, const char * key, int64_t lo, int64_t hi, const std::string & where) {
+    const json & v = o.at(key);
+    if (!v.is_number_integer()) {
+        throw std::runtime_error("manifest: " + where + key + " is not an integer");
+    }
+    if (v.is_number_unsigned() ? v.get<uint64_t>() > (uint64_t) hi : (v.get<int64_t>() < lo || v.get<int64_t>() > hi)) {
+        throw std::runtime_error("manifest: " + where + key + " = " + v.dump() + " is out of range [" +
+                                 std::to_string(lo) + ", " + std::to_string(hi) + "]");
+    }
+    return v.is_number_unsigned() ? (int64_t) v.get<uint64_t>() : v.get<int64_t>();
+}
+
+static std::string get_str(const json & o, const char * key, const std::string & where) {
+    const json & v = o.at(key);
+    if (!v.is_string()) {
+        throw std::runtime_error("manifest: " + where + key + " is not a string");
+    }
+    return v.get<std::string>();
+}
+
+static const json & get_obj(const json & o, const char * key, const std::string & where) {
+    const json & v = o.at(key);
+    if (!v.is_object()) {
+        throw std::runtime_error("manifest: " + where + key + " is not an object");
+    }
+    return v;
+}
+
+static const json & get_arr(const json & o, const char * key, const std::string & where) {
+    const json & v = o.at(key);
+    if (!v.is_array()) {
+        throw std::runtime_error("manifest: " + where + key + " is not a list");
+    }
+    return v;
+}
+
+// limits no real pack comes near, so that no later arithmetic can overflow
+constexpr int64_t MAX_MANIFEST_BYTES = 256ll << 20;  // a 1 TB model's manifest is a few MB
+constexpr int64_t MAX_LAYERS = 1 << 16;
+constexpr int64_t MAX_EXPERTS = 1 << 16;
+constexpr int64_t MAX_DIM = 1 << 24;
+constexpr int64_t MAX_OFFSET = 1ll << 56;  // 64 PiB
+
 manifest load_manifest(const std::string & path) {
-    std::ifstream f(path);
+    std::ifstream f(path, std::ios::binary | std::ios::ate);
     if (!f) {
         throw std::runtime_error("cannot open manifest " + path + ": " + strerror(errno));
     }
+    const std::streamoff size = f.tellg();
+    if (size < 0 || size > MAX_MANIFEST_BYTES) {
+        throw std::runtime_error("manifest " + path + " is " + std::to_string((long long) size) +
+                                 " bytes, more than any pack's (at most " + std::to_string(MAX_MANIFEST_BYTES >> 20) +
+                                 " MiB): not a manifest the packer wrote");
+    }
+    std::string text((size_t) size, '\0');
+    f.seekg(0);
+    if (!f.read(text.data(), size)) {
+        throw std::runtime_error("cannot read manifest " + path);
+    }
     json j;
     try {
-        j = json::parse(f);
+        j = json::parse(text);
     } catch (const json::exception & e) {
         throw std::runtime_error("manifest " + path + " is not valid JSON: " + e.what());
     }
+    text.clear();
+    text.shrink_to_fit();
+    if (!j.is_object() || !j.contains("format") || j["format"] != "expert-pack") {
+        throw std::runtime_error("manifest " + path + " is not an expert-pack manifest");
+    }
     manifest m;
+    std::string identity_digest;
     try {
-        if (j.at("format") != "expert-pack") {
-            throw std::runtime_error("manifest " + path + " is not an expert-pack manifest");
-        }
         if (j.at("version") != 1) {
             throw std::runtime_error("manifest " + path + ": unsupported version " + j.at("version").dump());
         }
-        m.pack_id = j.at("pack_id").get<std::string>();
-        m.manifest_digest = j.at("manifest_digest").get<std::string>();
-        m.source_fingerprint = j.at("source").at("fingerprint").get<std::string>();
-        m.arch = j.at("source").at("arch").get<std::string>();
-        m.n_experts = j.at("n_experts").get<int32_t>();
-        const auto & pk = j.at("pack");
-        m.pack_size = pk.at("size").get<uint64_t>();
-        m.data_start = pk.at("data_start").get<uint64_t>();
-        m.data_size = pk.at("data_size").get<uint64_t>();
-        if (pk.at("alignment").get<uint64_t>() != PACK_ALIGNMENT) {
+        // the digest first: a manifest edited after the build is refused before anything in it is used
+        m.manifest_digest = get_str(j, "manifest_digest", "");
+        {
+            json body = j;
+            body.erase("manifest_digest");
+            if (canonical_digest(body) != m.manifest_digest) {
+                throw std::runtime_error("manifest " + path + " was modified after the build (its digest does not "
+                                         "match its content)");
+            }
+        }
+        m.pack_id = get_str(j, "pack_id", "");
+        const json & src = get_obj(j, "source", "");
+        m.source_fingerprint = get_str(src, "fingerprint", "source.");
+        m.arch = get_str(src, "arch", "source.");
+        m.n_experts = (int32_t) get_int(j, "n_experts", 1, MAX_EXPERTS, "");
+        const json & pk = get_obj(j, "pack", "");
+        m.pack_size = (uint64_t) get_int(pk, "size", 0, MAX_OFFSET, "pack.");
+        m.data_start = (uint64_t) get_int(pk, "data_start", 0, MAX_OFFSET, "pack.");
+        m.data_size = (uint64_t) get_int(pk, "data_size", 0, MAX_OFFSET, "pack.");
+        if (get_int(pk, "alignment", 0, MAX_OFFSET, "pack.") != (int64_t) PACK_ALIGNMENT) {
             throw std::runtime_error("manifest: alignment is not 4096");
         }
-        for (const auto & lj : j.at("layers")) {
+        const json & tr = get_obj(j, "trunk", "");
+        m.trunk_file = get_str(tr, "file", "trunk.");
+        m.trunk_size = (uint64_t) get_int(tr, "size", 0, MAX_OFFSET, "trunk.");
+        m.trunk_n_tensors = get_int(tr, "n_tensors", 0, 1 << 24, "trunk.");
+        if (tr.contains("header_checksum")) {  // packs built before it was recorded lack it
+            m.trunk_header_size = (uint64_t) get_int(tr, "header_size", 0, MAX_MANIFEST_BYTES, "trunk.");
+            m.trunk_header_checksum = get_str(tr, "header_checksum", "trunk.");
+        }
+        if (m.trunk_file.empty() || m.trunk_file.find('/') != std::string::npos || m.trunk_file == "." ||
+            m.trunk_file == "..") {
+            throw std::runtime_error("manifest: trunk.file is not a file name");
+        }
+        const json & layers = get_arr(j, "layers", "");
+        if (layers.empty() || (int64_t) layers.size() > MAX_LAYERS) {
+            throw std::runtime_error("manifest: " + std::to_string(layers.size()) + " layers");
+        }
+        // the layout identity that pack_id hashes (packer/format.py layout_identity)
+        json identity = {{"format", "expert-pack"}, {"version", 1}, {"source_fingerprint", m.source_fingerprint},
+                         {"n_experts", m.n_experts}, {"alignment", PACK_ALIGNMENT}, {"layers", json::array()}};
+        for (const auto & lj : layers) {
+            if (!lj.is_object()) {
+                throw std::runtime_error("manifest: a layer entry is not an object");
+            }
             layer_layout l;
-            l.layer = lj.at("layer").get<int32_t>();
-            l.offset = lj.at("offset").get<uint64_t>();
-            l.expert_stride = lj.at("expert_stride").get<uint64_t>();
-            l.block_bytes = lj.at("block_bytes").get<uint64_t>();
+            l.layer = (int32_t) get_int(lj, "layer", 0, MAX_LAYERS - 1, "layer.");
+            const std::string where = "layer " + std::to_string(l.layer) + ": ";
+            if (m.find_layer(l.layer)) {
+                throw std::runtime_error("manifest: layer " + std::to_string(l.layer) + " is listed twice");
+            }
+            l.offset = (uint64_t) get_int(lj, "offset", 0, MAX_OFFSET, where);
+            l.expert_stride = (uint64_t) get_int(lj, "expert_stride", 1, MAX_OFFSET / MAX_EXPERTS, where);
+            l.block_bytes = (uint64_t) get_int(lj, "block_bytes", 1, MAX_OFFSET / MAX_EXPERTS, where);
             l.read_bytes = (l.block_bytes + PACK_ALIGNMENT - 1) / PACK_ALIGNMENT * PACK_ALIGNMENT;
-            for (const auto & rj : lj.at("roles")) {
+            json id_layer = {{"layer", l.layer}, {"offset", l.offset}, {"expert_stride", l.expert_stride},
+                             {"block_bytes", l.block_bytes}, {"roles", json::array()}};
+            const json & roles = get_arr(lj, "roles", where);
+            if (roles.empty() || roles.size() > 4) {
+                throw std::runtime_error("manifest: " + where + std::to_string(roles.size()) + " roles");
+            }
+            for (const auto & rj : roles) {
+                if (!rj.is_object()) {
+                    throw std::runtime_error("manifest: " + where + "a role entry is not an object");
+                }
                 role_layout r;
-                r.role = rj.at("role").get<std::string>();
-                r.tensor = rj.at("tensor").get<std::string>();
-                r.type = type_from_name(rj.at("type").get<std::string>(), rj.at("type_id").get<int>());
-                const auto & sh = rj.at("shape");
+                r.role = get_str(rj, "role", where);
+                if (r.role != "gate" && r.role != "up" && r.role != "gate_up" && r.role != "down") {
+                    throw std::runtime_error("manifest: " + where + "unknown role '" + r.role + "'");
+                }
+                for (const auto & other : l.roles) {
+                    if (other.role == r.role) {
+                        throw std::runtime_error("manifest: " + where + "role " + r.role + " is listed twice");
+                    }
+                }
+                r.tensor = get_str(rj, "tensor", where);
+                const std::string type_name = get_str(rj, "type", where);
+                const int64_t type_id = get_int(rj, "type_id", 0, GGML_TYPE_COUNT - 1, where);
+                r.type = type_from_name(type_name, (int) type_id);
+                const json & sh = get_arr(rj, "shape", where);
                 if (sh.size() != 3) {
                     throw std::runtime_error("manifest: " + r.tensor + " shape is not 3-D");
                 }
-                for (int d = 0; d < 3; ++d) r.ne[d] = sh[d].get<int64_t>();
-                r.offset = rj.at("offset").get<uint64_t>();
-                r.bytes = rj.at("bytes").get<uint64_t>();
+                for (int d = 0; d < 3; ++d) {
+                    if (!sh[d].is_number_integer() || sh[d].get<int64_t>() < 1 || sh[d].get<int64_t>() > MAX_DIM) {
+                        throw std::runtime_error("manifest: " + r.tensor + " shape " + sh.dump() + " is out of range");
+                    }
+                    r.ne[d] = sh[d].get<int64_t>();
+                }
+                r.offset = (uint64_t) get_int(rj, "offset", 0, MAX_OFFSET / MAX_EXPERTS, where);
+                r.bytes = (uint64_t) get_int(rj, "bytes", 1, MAX_OFFSET / MAX_EXPERTS, where);
+                id_layer["roles"].push_back({{"role", r.role}, {"tensor", r.tensor}, {"type", type_name},
+                                             {"type_id", type_id}, {"shape", sh}, {"offset", r.offset},
+                                             {"bytes", r.bytes}});
                 l.roles.push_back(r);
             }
-            for (const auto & c : lj.at("checksums")) {
+            const json & sums = get_arr(lj, "checksums", where);
+            if ((int64_t) sums.size() != m.n_experts) {
+                throw std::runtime_error("manifest: " + where + "has " + std::to_string(sums.size()) +
+                                         " checksums for " + std::to_string(m.n_experts) + " experts");
+            }
+            for (const auto & c : sums) {
+                if (!c.is_string()) {
+                    throw std::runtime_error("manifest: " + where + "a checksum is not a string");
+                }
                 l.checksums.push_back(from_hex16(c.get<std::string>(), "a checksum of layer " + std::to_string(l.layer)));
             }
+            identity["layers"].push_back(std::move(id_layer));
             m.layers.push_back(std::move(l));
         }
+        identity_digest = canonical_digest(identity);
     } catch (const json::exception & e) {
         throw std::runtime_error("manifest " + path + " is malformed: " + e.what());
     }
 
-    // fail closed on anything a reader would trip over
-    if (m.n_experts <= 0 || m.layers.empty()) {
-        throw std::runtime_error("manifest: no experts");
-    }
+    // fail closed on anything a reader would trip over (every value is bounded above, so nothing here overflows)
     if (m.data_start != PACK_HEADER_SIZE || m.pack_size != m.data_start + m.data_size) {
         throw std::runtime_error("manifest: pack geometry is inconsistent (data_start/data_size/size)");
     }
@@ -140,14 +277,10 @@ manifest load_manifest(const std::string & path) {
         if (l.offset != expect || l.block_bytes == 0 || l.read_bytes > l.expert_stride) {
             throw std::runtime_error("manifest: " + where + " block layout is inconsistent");
         }
-        if ((int32_t) l.checksums.size() != m.n_experts) {
-            throw std::runtime_error("manifest: " + where + " has " + std::to_string(l.checksums.size()) +
-                                     " checksums for " + std::to_string(m.n_experts) + " experts");
-        }
         uint64_t end = 0;
         for (const auto & r : l.roles) {
-            if (r.ne[2] != m.n_experts || r.offset < end ||
-                r.bytes != ggml_row_size(r.type, r.ne[0]) * (uint64_t) r.ne[1] || r.ne[0] % ggml_blck_size(r.type)) {
+            if (r.ne[2] != m.n_experts || r.offset < end || r.ne[0] % ggml_blck_size(r.type) ||
+                r.bytes != ggml_row_size(r.type, r.ne[0]) * (uint64_t) r.ne[1]) {
                 throw std::runtime_error("manifest: " + where + " role " + r.role + " is inconsistent");
             }
             end = r.offset + r.bytes;
@@ -156,9 +289,16 @@ manifest load_manifest(const std::string & path) {
             throw std::runtime_error("manifest: " + where + " roles overflow the block");
         }
         expect = l.offset + l.expert_stride * (uint64_t) m.n_experts;
+        if (expect > m.pack_size) {
+            throw std::runtime_error("manifest: " + where + " ends past the pack's data region");
+        }
     }
     if (expect != m.pack_size) {
         throw std::runtime_error("manifest: layers do not cover the pack's data region");
+    }
+    // last, so that a structural fault above is named as such
+    if (identity_digest != m.pack_id) {
+        throw std::runtime_error("manifest " + path + ": the layout does not match its pack_id");
     }
     return m;
 }

@@ -44,12 +44,18 @@ struct manifest {
     uint64_t    pack_size = 0;
     uint64_t    data_start = 0;
     uint64_t    data_size = 0;
+    std::string trunk_file;                // trunk.gguf, beside the manifest
+    uint64_t    trunk_size = 0;
+    int64_t     trunk_n_tensors = 0;
+    uint64_t    trunk_header_size = 0;     // the trunk's header and KV region [0, header_size) ...
+    std::string trunk_header_checksum;     // ... and its XXH3-128 ("" in packs built before it was recorded)
     std::vector<layer_layout> layers;
 
     const layer_layout * find_layer(int32_t layer) const;
 };
 
-// Parse and validate manifest.json; throws std::runtime_error with a one-line cause.
+// Parse and validate manifest.json as `expert-pack verify --quick` does (bounded size, the digest and pack_id
+// recomputed, every value range-checked before it is used); throws std::runtime_error with a one-line cause.
 manifest load_manifest(const std::string & path);
 
 // Validate the 4096-byte pack header against the manifest (magic, version, header checksum, pack_id,

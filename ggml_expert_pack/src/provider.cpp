@@ -13,6 +13,7 @@
 #include "read_pool.h"
 #include "staging.h"
 #include "stats.h"
+#include "timeline.h"
 
 #include "ggml-backend.h"
 #include "ggml.h"
@@ -131,6 +132,11 @@ struct expert_pack_provider {
     int32_t last_layer = INT32_MAX;
     bool test_distinct_slots = false;  // test seam: the GPU's slot assignment for rounds on the CPU
     bool test_hold_prefetch = false;   // test seam: no prefetch read starts (also for a prefetcher made at attach)
+    step_timeline timeline;            // the last step's per-layer marks (expert_pack_timeline_json)
+    step_timeline::layer_marks * marks = nullptr;  // the acquiring layer's
+    std::string summary;               // how the cache was sized (expert_pack_summary), set at attach
+    size_t n_resident = 0;             // layers with every expert preloaded
+    bool acquired = false;             // some layer acquired in the current graph compute (step_done resets it)
 
     ~expert_pack_provider() {
         detach();
@@ -165,6 +171,8 @@ struct expert_pack_provider {
         stats.ram_blocks = 0;
         stats.ram_bytes = 0;
         stages.clear();
+        summary.clear();
+        n_resident = 0;
         if (arena_ctx) {
             ggml_free(arena_ctx);
             arena_ctx = nullptr;
@@ -202,6 +210,13 @@ struct expert_pack_provider {
         if (trace) fflush(trace);
     }
 
+    void count_step() {
+        const uint64_t step = ++stats.steps;
+        if (!cfg.stats_path.empty() && step % (uint64_t) cfg.stats_flush_interval == 0) {
+            flush_stats();
+        }
+    }
+
     void fail_step(const std::string & msg) {
         std::lock_guard<std::mutex> lk(err_mu);
         last_error = msg;
@@ -211,7 +226,7 @@ struct expert_pack_provider {
 
     void acquire(expert_pack_layer * L, int32_t round, int32_t n_rounds, ggml_tensor * dst, std::vector<float> * mask);
     void preload(expert_pack_layer * L);
-    void read_block(const layer_layout & lay, int32_t expert, uint8_t * dst);
+    void read_block(const layer_layout & lay, int32_t expert, uint8_t * dst, step_timeline::read_marks * rm = nullptr);
     void record_trace(const layer_layout & lay, const ggml_tensor * ids);
     void prefetch(expert_pack_layer * N, const ggml_tensor * pred);
     void settle_prefetches();
@@ -252,6 +267,7 @@ struct miss_load {
 
     // miss j's expert is in its slot (or its copy is queued on the copy stream, which finish() completes)
     void loaded(size_t j) {
+        if (p.marks && j < p.marks->reads.size()) p.marks->reads[j].copy = step_timeline::now();
         p.stats.h2d_bytes += lay.block_bytes;
         ++misses;
         evictions += L->plan[miss[j]].evicted >= 0;
@@ -269,7 +285,13 @@ struct miss_load {
     void submit_read(size_t j, uint8_t * dst) {
         const int32_t e = L->plan[miss[j]].expert;
         ++outstanding;
-        p.reads->submit(j, [pp = &p, l = &lay, e, dst] { pp->read_block(*l, e, dst); });
+        step_timeline::read_marks * rm = nullptr;
+        if (p.marks && j < p.marks->reads.size()) {
+            rm = &p.marks->reads[j];
+            rm->expert = e;
+            rm->issue = step_timeline::now();
+        }
+        p.reads->submit(j, [pp = &p, l = &lay, e, dst, rm] { pp->read_block(*l, e, dst, rm); });
     }
 };
 
@@ -281,11 +303,18 @@ static uint64_t ns_since(clk::time_point t0) {
 
 // One expert block from the pack into `dst` (4096-aligned: a staging buffer or a RAM-tier block), checked
 // against its checksum. Throws io_error (read failure, checksum mismatch).
-void expert_pack_provider::read_block(const layer_layout & lay, int32_t expert, uint8_t * dst) {
+void expert_pack_provider::read_block(const layer_layout & lay, int32_t expert, uint8_t * dst,
+                                      step_timeline::read_marks * rm) {
     const auto t0 = clk::now();
+    if (rm) rm->start = step_timeline::now();
     io->read(dst, lay.expert_offset(expert), lay.read_bytes);
     stats.read_ns += ns_since(t0);
     stats.pack_read_bytes += lay.read_bytes;
+    if (rm) rm->io = step_timeline::now();
+    struct hash_mark {
+        step_timeline::read_marks * rm;
+        ~hash_mark() { if (rm) rm->hash = step_timeline::now(); }
+    } hm{rm};
     if (cfg.verify_pack_sha256) {
         uint8_t sum[16];
         expert_pack_xxh3_128(dst, lay.block_bytes, sum);
@@ -299,8 +328,8 @@ void expert_pack_provider::read_block(const layer_layout & lay, int32_t expert, 
 
 // Every expert of the layer fits: load them all now into slot == expert. The graph then reads the cache with
 // the router's own ids and the CPU round trip of the hook disappears (all-hit speed). The RAM tier is not
-// involved (the layer never misses again); the reads count as RAM misses so that
-// cache_misses == ram_hits + ram_misses holds everywhere.
+// involved (the layer never misses again). The load is not a miss: its bytes count (pack_read_bytes, h2d_bytes),
+// and every later step of the layer counts as hits (expert_pack_step_done).
 void expert_pack_provider::preload(expert_pack_layer * L) {
     const layer_layout & lay = *L->layout;
     for (int32_t e = 0; e < man.n_experts; ++e) {
@@ -313,8 +342,6 @@ void expert_pack_provider::preload(expert_pack_layer * L) {
         }
         L->stage->store(L->arena, e, lay.block_bytes);
         stats.h2d_bytes += lay.block_bytes;
-        stats.cache_misses++;
-        stats.ram_misses++;
     }
     L->stage->finish();
     L->resident = true;
@@ -775,17 +802,21 @@ void expert_pack_provider::acquire(expert_pack_layer * L, int32_t round, int32_t
 
     // a new graph compute starts where the layers wrap around (later rounds belong to their round 0's step)
     if (round == 0 && lay.layer <= last_layer) {
+        timeline.new_step();
         step_failed = false;
         ++trace_step;
         if (spill_tier) {
             ram->policy().set_clock(trace_step);  // the tier's popularity decays per step, not per layer
         }
-        const uint64_t step = ++stats.steps;
-        if (!cfg.stats_path.empty() && step % (uint64_t) cfg.stats_flush_interval == 0) {
-            flush_stats();
-        }
+        acquired = true;
+        count_step();
     }
     last_layer = lay.layer;
+    marks = &timeline.begin_layer(lay.layer, round);
+    struct end_mark {
+        step_timeline::layer_marks *& m;
+        ~end_mark() { if (m) m->end = step_timeline::now(); m = nullptr; }
+    } em{marks};
 
     // A round's mask (1 for the pairs it serves) zeroes the input of every other pair: their outputs are exact zeros.
     if (mask) {
@@ -828,6 +859,8 @@ void expert_pack_provider::acquire(expert_pack_layer * L, int32_t round, int32_t
     }
 
     miss_load m(*this, L);  // the device-cache misses, in plan order
+    marks->plan = step_timeline::now();
+    marks->reads.resize(m.miss.size());  // before any read is submitted: the read threads write into it
     const uint64_t hits = L->plan.size() - m.miss.size();
     if (ram) {
         load_via_ram_tier(m);
@@ -921,6 +954,12 @@ extern "C" expert_pack_provider * expert_pack_open(const char * config_json, cha
             auto it = p->layers.find(il + 1);
             L->next = it == p->layers.end() ? nullptr : it->second.get();
         }
+        if (!p->cfg.stats_path.empty()) {  // likewise the stats file: written now (zero counters), then while running
+            if (!write_file_atomic(p->cfg.stats_path, stats_json(p->stats.snapshot(), p->stats, p->geometry_json()))) {
+                throw std::runtime_error("expert_pack key 'stats_path': cannot write " + p->cfg.stats_path + ": " +
+                                         strerror(errno));
+            }
+        }
         if (!p->cfg.trace_path.empty()) {  // a path we cannot write is a start-up error, not a silent no-trace
             p->trace = fopen(p->cfg.trace_path.c_str(), "wb");
             if (!p->trace) {
@@ -981,6 +1020,124 @@ extern "C" uint32_t expert_pack_max_ubatch(const expert_pack_provider * p) {
     return p->max_ubatch;
 }
 
+extern "C" size_t expert_pack_summary(const expert_pack_provider * p, char * buf, size_t len) {
+    if (buf && len > p->summary.size()) {
+        memcpy(buf, p->summary.c_str(), p->summary.size() + 1);
+    }
+    return p->summary.size();
+}
+
+extern "C" size_t expert_pack_timeline_json(const expert_pack_provider * p, char * buf, size_t len) {
+    const std::string s = p->timeline.last_json();
+    if (buf && len > s.size()) {
+        memcpy(buf, s.c_str(), s.size() + 1);
+    }
+    return s.size();
+}
+
+extern "C" void expert_pack_step_done(expert_pack_provider * p, int64_t n_tokens) {
+    if (!p->attached) {
+        return;
+    }
+    if (p->n_resident > 0 && n_tokens > 0) {
+        const int64_t per_layer = std::min<int64_t>(p->man.n_experts, (int64_t) p->n_expert_used * n_tokens);
+        p->stats.cache_hits += (uint64_t) per_layer * p->n_resident;
+    }
+    if (!p->acquired) {
+        p->count_step();
+    }
+    p->acquired = false;
+}
+
+// The model's hyperparameters that the pack depends on, before llama.cpp's loader reads them (it asserts on some
+// values instead of refusing them): the architecture, the expert count, top-k, and every epsilon finite and > 0.
+static void check_hparams(const gguf_context * g, const manifest & m, const char * path) {
+    const std::string file(path);
+    const int64_t ka = gguf_find_key(g, "general.architecture");
+    if (ka < 0 || gguf_get_kv_type(g, ka) != GGUF_TYPE_STRING) {
+        throw std::runtime_error(file + " has no general.architecture");
+    }
+    const std::string arch = gguf_get_val_str(g, ka);
+    if (arch != m.arch) {
+        throw std::runtime_error(file + " is a " + arch + " model, the pack holds the experts of a " + m.arch + " model");
+    }
+    auto get_u = [&](const std::string & key, int64_t & out) {
+        const int64_t k = gguf_find_key(g, key.c_str());
+        if (k < 0) return false;
+        switch (gguf_get_kv_type(g, k)) {
+            case GGUF_TYPE_UINT8:  out = gguf_get_val_u8(g, k); return true;
+            case GGUF_TYPE_UINT16: out = gguf_get_val_u16(g, k); return true;
+            case GGUF_TYPE_UINT32: out = gguf_get_val_u32(g, k); return true;
+            case GGUF_TYPE_INT32:  out = gguf_get_val_i32(g, k); return true;
+            case GGUF_TYPE_UINT64: out = (int64_t) std::min<uint64_t>(gguf_get_val_u64(g, k), INT64_MAX); return true;
+            case GGUF_TYPE_INT64:  out = gguf_get_val_i64(g, k); return true;
+            default: throw std::runtime_error(file + ": " + key + " is not an integer");
+        }
+    };
+    int64_t n_expert = -1, n_used = -1, n_layer = -1;
+    if (!get_u(arch + ".expert_count", n_expert) || n_expert != m.n_experts) {
+        throw std::runtime_error(file + ": " + arch + ".expert_count is " + (n_expert < 0 ? "missing" : std::to_string(n_expert)) +
+                                 ", the pack has " + std::to_string(m.n_experts) + " experts per layer");
+    }
+    if (get_u(arch + ".expert_used_count", n_used) && (n_used < 1 || n_used > n_expert)) {
+        throw std::runtime_error(file + ": " + arch + ".expert_used_count is " + std::to_string(n_used) +
+                                 " (must be 1.." + std::to_string(n_expert) + ")");
+    }
+    if (get_u(arch + ".block_count", n_layer)) {
+        for (const auto & l : m.layers) {
+            if (l.layer >= n_layer) {
+                throw std::runtime_error(file + ": " + arch + ".block_count is " + std::to_string(n_layer) +
+                                         ", the pack has experts for layer " + std::to_string(l.layer));
+            }
+        }
+    }
+    for (int64_t k = 0; k < gguf_get_n_kv(g); ++k) {
+        const std::string key = gguf_get_key(g, k);
+        if (key.size() > 7 && key.compare(key.size() - 7, 7, "epsilon") == 0 && gguf_get_kv_type(g, k) == GGUF_TYPE_FLOAT32) {
+            const float v = gguf_get_val_f32(g, k);
+            if (!std::isfinite(v) || v <= 0) {
+                throw std::runtime_error(file + ": " + key + " is " + std::to_string(v) + " (must be finite and > 0)");
+            }
+        }
+    }
+}
+
+// A pack's own trunk, cheaply: its size, tensor count and the checksum of its header and KV region recorded by the
+// build (the full checksum is `expert-pack verify`'s). A trunk edited or damaged after the build is refused here
+// instead of tripping an assertion in llama.cpp's loader.
+static void check_trunk(const manifest & m, const char * path, size_t data_offset, int64_t n_tensors) {
+    const std::string file(path);
+    std::ifstream f(file, std::ios::binary | std::ios::ate);
+    const uint64_t size = f ? (uint64_t) f.tellg() : 0;
+    if (size != m.trunk_size) {
+        throw std::runtime_error(file + " is " + std::to_string(size) + " bytes, the pack's manifest says " +
+                                 std::to_string(m.trunk_size) + (size < m.trunk_size ? " (truncated)" : " (modified)") +
+                                 ": rebuild the pack or restore its trunk");
+    }
+    if (n_tensors != m.trunk_n_tensors) {
+        throw std::runtime_error(file + " holds " + std::to_string(n_tensors) + " tensors, the pack's manifest says " +
+                                 std::to_string(m.trunk_n_tensors) + " (a modified trunk)");
+    }
+    if (m.trunk_header_checksum.empty()) {
+        return;
+    }
+    if (data_offset != m.trunk_header_size) {
+        throw std::runtime_error(file + ": its header ends at " + std::to_string(data_offset) + ", the manifest says " +
+                                 std::to_string(m.trunk_header_size) + " (a modified trunk)");
+    }
+    std::vector<char> head(m.trunk_header_size);
+    f.seekg(0);
+    if (!f.read(head.data(), (std::streamsize) head.size())) {
+        throw std::runtime_error("cannot read the header of " + file);
+    }
+    uint8_t d[16];
+    expert_pack_xxh3_128(head.data(), head.size(), d);
+    if (to_hex(d, 16) != m.trunk_header_checksum) {
+        throw std::runtime_error(file + ": its header and metadata were modified after the build (checksum " +
+                                 to_hex(d, 16) + ", the manifest records " + m.trunk_header_checksum + ")");
+    }
+}
+
 // XXH3-128 over each shard's header bytes [0, data_offset) followed by its size (docs/FORMAT.md)
 static std::string source_fingerprint(const std::vector<std::string> & paths) {
     expert_pack_hasher * h = expert_pack_hasher_new();
@@ -1020,19 +1177,34 @@ extern "C" int expert_pack_check_model(expert_pack_provider * p, const char * pa
         }
         std::string trunk_id;
         uint16_t n_split = 1;
-        if (int64_t k = gguf_find_key(g, "expert_pack.pack_id"); k >= 0) {
-            trunk_id = gguf_get_val_str(g, k);
+        std::string hparams_error;
+        try {
+            if (int64_t k = gguf_find_key(g, "expert_pack.pack_id"); k >= 0 && gguf_get_kv_type(g, k) == GGUF_TYPE_STRING) {
+                trunk_id = gguf_get_val_str(g, k);
+            }
+            if (int64_t k = gguf_find_key(g, "split.count"); k >= 0 && gguf_get_kv_type(g, k) == GGUF_TYPE_UINT16) {
+                n_split = gguf_get_val_u16(g, k);
+            }
+            check_hparams(g, p->man, path);
+        } catch (const std::exception & e) {
+            hparams_error = e.what();
         }
-        if (int64_t k = gguf_find_key(g, "split.count"); k >= 0) {
-            n_split = gguf_get_val_u16(g, k);
-        }
+        const size_t data_offset = gguf_get_data_offset(g);
+        const int64_t n_tensors = gguf_get_n_tensors(g);
         gguf_free(g);
         if (!trunk_id.empty()) {
             if (trunk_id != p->man.pack_id) {
                 throw std::runtime_error(std::string(path) + " is the trunk of another pack (pack_id " + trunk_id +
                                          "; the expert pack is " + p->man.pack_id + ")");
             }
+            if (!hparams_error.empty()) {  // the specific cause first; the checksum would only say "modified"
+                throw std::runtime_error(hparams_error);
+            }
+            check_trunk(p->man, path, data_offset, n_tensors);
             return 0;
+        }
+        if (!hparams_error.empty()) {
+            throw std::runtime_error(hparams_error);
         }
         std::vector<std::string> paths = {path};
         if (n_split > 1) {
@@ -1118,11 +1290,26 @@ extern "C" int expert_pack_attach(expert_pack_provider * p, int n_layer, ggml_ba
         p->arena_ctx = ggml_init(ip);
         const double MiB = 1024.0 * 1024.0;
         p->slots_min = INT32_MAX;
+        std::string devices_summary;
+        bool any_host_arena = false;
         for (auto & [dev, ls] : by_dev) {
             size_t free_mem = 0, total_mem = 0;
-            ggml_backend_dev_memory(dev, &free_mem, &total_mem);
-            if (free_mem == 0 && total_mem == 0 && cpu) {
-                ggml_backend_dev_memory(cpu, &free_mem, &total_mem);
+            std::string free_source = "free";
+            const bool host = dev == cpu || ggml_backend_dev_type(dev) == GGML_BACKEND_DEVICE_TYPE_CPU;
+            any_host_arena |= host;
+            if (host) {
+                // host memory: what the process can still take (MemAvailable, cgroup limits), not the machine's total
+                const memory_headroom room = host_memory_headroom();
+                if (room.bytes != UINT64_MAX) {
+                    free_mem = (size_t) room.bytes;
+                    free_source = room.source;
+                }
+            }
+            if (free_mem == 0) {
+                ggml_backend_dev_memory(dev, &free_mem, &total_mem);
+                if (free_mem == 0 && total_mem == 0 && cpu) {
+                    ggml_backend_dev_memory(cpu, &free_mem, &total_mem);
+                }
             }
             const double reserve = p->cfg.cache_vram_reserve_mib * MiB;
             const double avail = std::max(0.0, (double) free_mem - reserve);
@@ -1146,11 +1333,11 @@ extern "C" int expert_pack_attach(expert_pack_provider * p, int n_layer, ggml_ba
                 const double least_mib = std::ceil((per_slot * need + fixed) / MiB * 10) / 10;
                 char buf[512];
                 snprintf(buf, sizeof(buf),
-                         "expert cache too small on %s: %.1f MiB (cache_vram_mib %.1f, free %.0f MiB - reserve %.0f MiB) "
+                         "expert cache too small on %s: %.1f MiB (cache_vram_mib %.1f, %s %.0f MiB - reserve %.0f MiB) "
                          "holds %lld slot(s) per layer for %zu layers of %.2f MiB experts; one token needs %d experts "
                          "in each layer: at least %.1f MiB",
-                         ggml_backend_dev_name(dev), budget / MiB, p->cfg.cache_vram_mib, free_mem / MiB,
-                         p->cfg.cache_vram_reserve_mib, (long long) std::max<int64_t>(slots, 0), ls.size(),
+                         ggml_backend_dev_name(dev), budget / MiB, p->cfg.cache_vram_mib, free_source.c_str(),
+                         free_mem / MiB, p->cfg.cache_vram_reserve_mib, (long long) std::max<int64_t>(slots, 0), ls.size(),
                          per_slot / ls.size() / MiB, n_expert_used, least_mib);
                 throw std::runtime_error(buf);
             }
@@ -1168,6 +1355,18 @@ extern "C" int expert_pack_attach(expert_pack_provider * p, int n_layer, ggml_ba
                 }
             }
             p->slots_min = std::min<int32_t>(p->slots_min, (int32_t) slots);
+            uint64_t dev_bytes = 0;
+            for (auto * L : ls) {
+                dev_bytes += ggml_backend_buffer_get_size(L->arena.buffer);
+            }
+            char buf[512];
+            snprintf(buf, sizeof(buf), "%s%s: %lld of %d experts x %zu layers = %.0f MiB (budget %s; %s %.0f MiB - "
+                     "reserve %.0f MiB)", devices_summary.empty() ? "" : "; ", ggml_backend_dev_name(dev),
+                     (long long) slots, p->man.n_experts, ls.size(), dev_bytes / MiB,
+                     p->cfg.cache_vram_mib > 0 ? (std::to_string((long long) std::lround(p->cfg.cache_vram_mib)) +
+                                                  " MiB asked").c_str() : "all that fits",
+                     free_source.c_str(), free_mem / MiB, p->cfg.cache_vram_reserve_mib);
+            devices_summary += buf;
         }
         // the host-RAM tier: one pool for all layers, blocks of the largest expert stride; only where some layer
         // can miss (resident layers never do)
@@ -1175,18 +1374,39 @@ extern "C" int expert_pack_attach(expert_pack_provider * p, int n_layer, ggml_ba
         for (auto & [_, L] : p->layers) {
             any_partial |= !L->resident;
         }
-        if (p->cfg.ram_cache_mib > 0 && any_partial) {
-            uint64_t stride = 0;
-            for (const auto & l : p->man.layers) {
-                stride = std::max(stride, l.expert_stride);
+        uint64_t stride = 0;
+        for (const auto & l : p->man.layers) {
+            stride = std::max(stride, l.expert_stride);
+        }
+        double ram_mib = p->cfg.ram_cache_mib;
+        std::string ram_how = "ram_cache_mib";
+        if (ram_mib < 0) {
+            // "auto": the sizing rule of docs/ARCHITECTURE.md with the process's own headroom as the limit: 80% of
+            // what it can still take, less 4 GiB for the page cache and its later allocations (KV cache, compute
+            // buffers); off when some MoE layer runs on the CPU (the cache itself is then host memory) or when every
+            // layer is resident
+            ram_mib = 0;
+            ram_how = "auto";
+            if (!any_host_arena && any_partial) {
+                const memory_headroom room = host_memory_headroom();
+                if (room.bytes != UINT64_MAX) {
+                    ram_mib = std::max(0.0, 0.8 * (double) room.bytes / MiB - 4096.0);
+                    ram_how = "auto: 80% of " + std::to_string((long long) (room.bytes / MiB)) + " MiB (" + room.source +
+                              ") - 4096 MiB";
+                }
             }
+            if (ram_mib * MiB < (double) stride) {
+                ram_mib = 0;
+            }
+        }
+        if (ram_mib > 0 && any_partial) {
             const int64_t n_keys = (int64_t) p->man.layers.size() * p->man.n_experts;
             // more blocks than keys would never be used; the cap also keeps a huge value from overflowing
-            const int64_t blocks = (int64_t) std::min<double>((double) n_keys, std::floor(p->cfg.ram_cache_mib * MiB / stride));
+            const int64_t blocks = (int64_t) std::min<double>((double) n_keys, std::floor(ram_mib * MiB / stride));
             if (blocks < 1) {
                 char buf[256];
                 snprintf(buf, sizeof(buf), "expert_pack key 'ram_cache_mib' (%.3f) holds no expert block of %.2f MiB: "
-                         "use at least %.2f, or 0 to turn the RAM tier off", p->cfg.ram_cache_mib, stride / MiB, stride / MiB);
+                         "use at least %.2f, or 0 to turn the RAM tier off", ram_mib, stride / MiB, stride / MiB);
                 throw std::runtime_error(buf);
             }
             // fail closed rather than swap or be OOM-killed later (pinned memory cannot be reclaimed, and counts
@@ -1219,6 +1439,22 @@ extern "C" int expert_pack_attach(expert_pack_provider * p, int n_layer, ggml_ba
                 p->pf->hold(p->test_hold_prefetch);
                 p->pf_unused.assign((size_t) blocks, 0);
             }
+        }
+        p->n_resident = 0;
+        for (auto & [_, L] : p->layers) {
+            p->n_resident += L->resident;
+        }
+        {
+            char buf[256];
+            if (p->ram) {
+                snprintf(buf, sizeof(buf), "; host-RAM tier %.0f MiB (%lld blocks, %s, %s)", p->ram->bytes() / MiB,
+                         (long long) p->stats.ram_blocks.load(), p->cfg.ram_tier_mode.c_str(), ram_how.c_str());
+            } else {
+                snprintf(buf, sizeof(buf), "; no host-RAM tier%s", ram_how == "ram_cache_mib" ? "" : " (auto: off)");
+            }
+            p->summary = "expert pack: " + std::to_string(p->slots_min) + " of " + std::to_string(p->man.n_experts) +
+                         " experts cached per MoE layer, " + std::to_string(p->n_resident) + " of " +
+                         std::to_string(p->layers.size()) + " MoE layers resident; " + devices_summary + buf;
         }
         if (p->trace && !p->trace_header) {
             // "EPTRACE1", u32 version, u32 n_layers, u32 n_experts, u32 k (docs/FORMAT.md)
