@@ -193,6 +193,11 @@ def create_app(engine: Engine, *, model_path: str = "", stats=None, names: tuple
                     yield f"data: {json.dumps(ev)}\n\n"
             except Cancelled:
                 return
+            except Exception as e:  # noqa: BLE001 - the status is sent: say it in the stream, as llama-server does
+                app.logger.exception("stream failed")
+                err = {"message": f"internal error: {type(e).__name__}: {e}", "type": "server_error", "param": None,
+                       "code": None}
+                yield f"data: {json.dumps({'error': err})}\n\n"
         return Response(gen(), mimetype="text/event-stream",
                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 

@@ -102,9 +102,11 @@ def add_serve(sub) -> None:
             description="Serve a model over HTTP, a drop-in for llama-server: /v1/chat/completions, /v1/completions, "
                         "/v1/models, /completion (with timings), /tokenize, /detokenize, /health, /props, /metrics, "
                         "and a chat page at /. One generation runs at a time; others wait in arrival order. The port "
-                        "is bound before the model loads; until it is loaded every request gets 503.",
+                        "is bound before the model loads; until it is loaded every request gets 503. Each request "
+                        "is logged as one line on stderr. Ctrl-C or SIGTERM cancels the running generation, frees "
+                        "the model (writing the final --stats-file) and exits 0.",
             epilog="Sizes (--cache-mib, --cache-reserve-mib, --ram-cache-mib) are MiB, or a number with a binary "
-                   "unit: 512M, 8G, 1.5G; --ram-cache-mib also takes auto.")
+                   "unit: 512M, 8G, 1.5G; --ram-cache-mib also takes auto (sized by the provider at load).")
     finally:
         sub._parser_class = cls
     p.add_argument("pack", nargs="?", metavar="PACK",
@@ -141,18 +143,19 @@ def add_serve(sub) -> None:
     g.add_argument("--stats-file", "--expert-stats-file", dest="stats_file", metavar="PATH",
                    help="write the expert-pack counters to this JSON file (its folder must exist)")
     p.add_argument("-c", "--ctx-size", type=_int_range(0, note=" (0 = the model's training context)"), default=4096,
+                   metavar="N",
                    help="context size in tokens (default 4096; 0 = the model's training context)")
-    p.add_argument("-ngl", "--n-gpu-layers", type=_int_range(-1, note=" (-1 = all)"), default=-1,
+    p.add_argument("-ngl", "--n-gpu-layers", type=_int_range(-1, note=" (-1 = all)"), default=-1, metavar="N",
                    help="layers offloaded to the GPU (-1 = all, the default; ignored on a CPU build)")
-    p.add_argument("-b", "--batch-size", type=_int_range(1), default=512,
+    p.add_argument("-b", "--batch-size", type=_int_range(1), default=512, metavar="N",
                    help="logical batch size for the prompt (default 512)")
-    p.add_argument("-t", "--threads", type=_int_range(1), default=None,
+    p.add_argument("-t", "--threads", type=_int_range(1), default=None, metavar="N",
                    help="CPU threads for generation (default: auto)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    p.add_argument("--port", type=_int_range(1, 65535), default=8080, help="port to listen on (default 8080)")
-    p.add_argument("--alias", help="model name reported by /v1/models and accepted in requests "
+    p.add_argument("--port", type=_int_range(1, 65535), default=8080, help="port to listen on, 1..65535 (default 8080)")
+    p.add_argument("--alias", metavar="NAME", help="model name reported by /v1/models and accepted in requests "
                                    "(default: the model's general.name, else the pack folder's or file's name)")
-    p.add_argument("--threads-http", type=_int_range(1), default=8,
+    p.add_argument("--threads-http", type=_int_range(1), default=8, metavar="N",
                    help="HTTP worker threads; requests beyond the one generating wait in order (default 8)")
     p.add_argument("--verbose", action="store_true", help="llama.cpp's own logging")
     p.set_defaults(func=cmd_serve)
@@ -467,7 +470,7 @@ def cmd_serve(args) -> int:
     gate = Gate()
     server = bind(args, gate)
     plan.inspect()
-    url = f"http://{args.host}:{args.port}/"
+    url = f"http://{f'[{args.host}]' if ':' in args.host else args.host}:{args.port}/"
     what = f"{plan.model}" + (f" with pack {plan.pack}" if plan.pack is not None else "")
 
     wake = threading.Event()
