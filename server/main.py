@@ -306,9 +306,13 @@ class Plan:
             self.inspect()
 
     def inspect(self) -> None:
+        from ggml_expert_pack.model_path import model_path_error
         flag = "-m " if self.args.model else ""
         header = _header(self.model, flag)
         check_trunk(self.model, self.pack, header, flag)
+        err = model_path_error(self.model, pack_given=True)  # what else llama.cpp would refuse: a later shard
+        if err is not None:
+            raise ValueError(flag + err)
         self.alias = self.args.alias or served_name(self.model, self.pack, header)
 
 

@@ -137,6 +137,13 @@ def test_folder_that_is_no_pack_and_file_that_is_no_gguf(capsys, tmp_path):
         capsys, ["-m", str(junk), "--expert-pack", str(tmp_path)])
 
 
+def test_a_later_shard(capsys, synth_model):
+    first = synth_model("qwen3moe", shards=3)
+    second = first.with_name(first.name.replace("-00001-of-", "-00002-of-"))
+    err = refused(capsys, ["-m", str(second)])
+    assert f"-m {second} is shard 2 of 3 of a split model: give the first" in err, err
+
+
 def test_pack_flags_in_flag_terms(capsys, pack):
     err = refused(capsys, [str(pack), "--cache-mib", "-5"])
     assert "--cache-mib must be" in err and "cache_vram_mib" not in err and "expert_pack" not in err, err
