@@ -284,15 +284,28 @@ def test_json_content_types_accepted(server, ctype):
     c.close()
 
 
+def logged(pattern: str) -> str:
+    """The server's log once a line matches `pattern` (the line is written as the response closes, which can be
+    just after the client has it)."""
+    deadline = time.monotonic() + 30
+    while True:
+        text = LOG["path"].read_text()
+        if re.search(pattern, text, re.M) or time.monotonic() > deadline:
+            return text
+        time.sleep(0.05)
+
+
 def test_request_log_lines(server):
     status, r = post(server, "/v1/completions", {"prompt": "log me", "max_tokens": 2})
     assert status == 200
     n_prompt = r["usage"]["prompt_tokens"]
     post(server, "/v2/nothing", {})
-    text = LOG["path"].read_text()
-    assert re.search(rf"^request: POST /v1/completions 127\.0\.0\.1 200 [\d.]+ ms prompt_tokens={n_prompt} "
-                     r"completion_tokens=2$", text, re.M), text[-3000:]
-    assert re.search(r"^request: POST /v2/nothing 127\.0\.0\.1 404 [\d.]+ ms$", text, re.M), text[-3000:]
+    line = rf"^request: POST /v1/completions 127\.0\.0\.1 200 [\d.]+ ms prompt_tokens={n_prompt} completion_tokens=2$"
+    text = logged(line)
+    assert re.search(line, text, re.M), text[-3000:]
+    line = r"^request: POST /v2/nothing 127\.0\.0\.1 404 [\d.]+ ms$"
+    text = logged(line)
+    assert re.search(line, text, re.M), text[-3000:]
     assert "request: GET /health" not in text  # polled: not logged when healthy
 
 
@@ -382,10 +395,11 @@ def test_disconnect_from_a_non_streamed_request_leaves_no_traceback(server):
         time.sleep(0.01)
     got, ok = post(server, "/v1/completions", {"prompt": "next", "max_tokens": 2})
     assert got == 200
-    text = LOG["path"].read_text()
+    line = r"^request: POST /completion 127\.0\.0\.1 499 [\d.]+ ms prompt_tokens=\d+ completion_tokens=\d+ " \
+           r"\(client disconnected\)$"
+    text = logged(line)
+    assert re.search(line, text, re.M), text[-3000:]
     assert "Traceback" not in text, text[-3000:]
-    assert re.search(r"^request: POST /completion 127\.0\.0\.1 499 [\d.]+ ms prompt_tokens=\d+ completion_tokens=\d+ "
-                     r"\(client disconnected\)$", text, re.M), text[-3000:]
 
 
 # --- the chat page -------------------------------------------------------------------------------------------
