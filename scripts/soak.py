@@ -363,7 +363,7 @@ def run(args, extra: list[str]) -> dict:
         report["start"] = sample(proc.pid)
         records: list[Record] = []
         lock = threading.Lock()
-        budget = [args.max_requests]
+        left = [args.max_requests]
         t_start = time.monotonic()
         t_end = t_start + args.seconds
         samples = [report["start"]]
@@ -378,9 +378,9 @@ def run(args, extra: list[str]) -> dict:
             kinds, weights = list(KINDS), list(KINDS.values())
             while time.monotonic() < t_end:
                 with lock:
-                    if budget[0] <= 0:
+                    if left[0] <= 0:
                         return
-                    budget[0] -= 1
+                    left[0] -= 1
                 kind = r.choices(kinds, weights)[0]
                 t0 = time.monotonic()
                 try:

@@ -443,7 +443,7 @@ def test_chat_page_streams_a_reply(server):
     assert (ARTIFACTS / "chat-page.png").stat().st_size > 1000
 
 
-# --- the benchmark client (issue 8.1) against this server -----------------------------------------------------
+# --- the benchmark client against this server ---------------------------------------------------------------
 
 def test_bench_client_reference_workload(server, tmp_path):
     from ggml_expert_pack.cli import main
