@@ -114,7 +114,9 @@ def main() -> int:
     ram_pack = None
     if any(s != "disk" for s in storages):
         ram_pack = args.copy_to / f"bench-storage-{args.pack.name}"
-        if not (ram_pack / "manifest.json").exists():
+        if args.pack.resolve().is_relative_to(args.copy_to.resolve()):
+            ram_pack = args.pack  # already in RAM-backed storage
+        elif not (ram_pack / "manifest.json").exists():
             shutil.rmtree(ram_pack, ignore_errors=True)
             shutil.copytree(args.pack, ram_pack)
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU script: one staged script for every GPU job (DESIGN.md §0).
+# The GPU script: one staged script for every GPU job (docs/ARCHITECTURE.md, "Decisions").
 #
 # Here (a machine with a package registry):
 #   scripts/gpu.sh bundle                 pruned, patched upstream tree + Python 3.12 wheels -> .bundle/
@@ -10,7 +10,9 @@
 #   scripts/gpu.sh all OUT                build, then test
 #   scripts/gpu.sh pipeline OUT [ARGS]   build; the tests (EP_TEST_ARGS: which) while the benchmark model is generated
 #                                         and packed; archs;
-#                                         then scripts/bench_systems.py ARGS (issue 8) -- meant for `start`
+#                                         then scripts/bench_systems.py ARGS -- meant for `start`
+#   scripts/gpu.sh storage-pipeline OUT [ARGS]  build; the tests while the benchmark model is made in /dev/shm; then
+#                                         scripts/bench_storage.py ARGS (decode vs storage bandwidth) -- for `start`
 #   scripts/gpu.sh collect OUT            everything the detached stages wrote -> OUT/results.tgz (one file back)
 #   scripts/gpu.sh archs OUT              release archs (EP_RELEASE_ARCHS, default "89;90a;120"): compile one CUDA
 #                                         object for all of them and list its cubins with cuobjdump (not run)
@@ -126,6 +128,24 @@ do_pipeline() {
   timed "$out" bench-systems do_bench "$out/systems" systems "$@"
 }
 
+do_storage_pipeline() {
+  # build; the tests (EP_TEST_ARGS) while the benchmark model is generated and packed in RAM-backed storage
+  # ($EP_SHM, default /dev/shm/ep); then scripts/bench_storage.py ARGS on that pack -- meant for `start`
+  local out=$1; shift
+  local shm=${EP_SHM:-/dev/shm/ep}
+  timed "$out" build do_build || return 1
+  env_site
+  mkdir -p "$shm"
+  ( [ -f "$shm/model.gguf" ] || $PY -m ggml_expert_pack.cli synth "$shm/model.gguf" --shape 30b-a3b --quiet
+    [ -f "$shm/model.pack/manifest.json" ] || $PY -m ggml_expert_pack.cli build "$shm/model.gguf" -o "$shm/model.pack" --quiet
+  ) > "$out/prepare.log" 2>&1 &
+  local prep=$!
+  EP_SKIP_ARCHS_TOOL=1 timed "$out" test do_test "$out" -q ${EP_TEST_ARGS:-}
+  wait $prep || { log "preparing the benchmark model failed (prepare.log)"; return 1; }
+  timed "$out" bench-storage $PY scripts/bench_storage.py --model "$shm/model.gguf" --pack "$shm/model.pack" \
+    --copy-to "$(dirname "$shm")" --out "$out/storage" "$@"
+}
+
 case "${1:-}" in
   bundle) do_bundle ;;
   build)  timed "$2" build do_build ;;
@@ -134,6 +154,7 @@ case "${1:-}" in
   all)    timed "$2" build do_build && timed "$2" test do_test "$2" ;;
   archs)  timed "$2" archs do_archs "$2" ;;
   pipeline) out=$2; shift 2; do_pipeline "$out" "$@" ;;
+  storage-pipeline) out=$2; shift 2; do_storage_pipeline "$out" "$@" ;;
   collect) mkdir -p "$2"; tar czf "$2/results.tgz" --exclude='*.gguf' --exclude='*.pack' -C "$EP_STATE" . && ls -la "$2" ;;
   start)
     stage=$2; mkdir -p "$EP_STATE/$stage"; rm -f "$EP_STATE/$stage/done"

@@ -178,10 +178,10 @@ def test_eio_with_ram_tier_fails_the_request_then_recovers(packs):
 
 
 @pytest.mark.parametrize("value, match", [
-    (-1, "'ram_cache_mib' must be a number >= 0"),
-    ("64", "'ram_cache_mib' must be a number >= 0"),
-    (True, "'ram_cache_mib' must be a number >= 0"),
-    ([1], "'ram_cache_mib' must be a number >= 0"),
+    (-1, "'ram_cache_mib' must be a size in MiB"),
+    ("64 blocks", "'ram_cache_mib' must be a size in MiB"),  # "64", "64M", "1G" and "auto" are sizes
+    (True, "'ram_cache_mib' must be a size in MiB"),
+    ([1], "'ram_cache_mib' must be a size in MiB"),
 ])
 def test_bad_ram_cache_mib_names_the_key(packs, value, match):
     _, pack = packs("qwen3moe")
@@ -200,8 +200,8 @@ def test_ram_tier_below_one_block_is_a_startup_error(packs):
         p.close()
 
 
-def _tier_fails_at_load(src, pack, ram_blocks, message):
-    p = _provider(pack, 2 * K + 1, ram_blocks)
+def _tier_fails_at_load(src, pack, ram_blocks, message, slots=2 * K + 1):
+    p = _provider(pack, slots, ram_blocks)
     try:
         with pytest.raises(RuntimeError, match=message):
             run(src, p, n_decode=1)
@@ -213,9 +213,13 @@ def test_ram_tier_larger_than_the_free_memory_is_a_startup_error(packs, monkeypa
     """A tier that this process cannot take (MemAvailable, or a cgroup's memory.max less its usage) fails closed at
     load, naming the key and both sizes, instead of swapping or being OOM-killed later."""
     src, pack = packs("qwen3moe")
-    monkeypatch.setenv("EXPERT_PACK_TEST_MEM_AVAILABLE_MIB", "0.5")  # test seam: stands in for MemAvailable
-    _tier_fails_at_load(src, pack, 24, r"'ram_cache_mib' asks for a host-RAM tier of [0-9.]+ MiB \(24 blocks "
-                                       r"of .* MiB\), but this process can take only 0\.5 MiB more")
+    # test seam: stands in for MemAvailable. On the CPU the device cache is host memory too and takes its budget from
+    # the same headroom: room for the cache (K + 1 slots), not for a tier of every expert
+    room = round(cache_mib_for_slots(pack, K + 1) + 0.5, 1)
+    assert ram_mib_for_blocks(pack, 64) > room
+    monkeypatch.setenv("EXPERT_PACK_TEST_MEM_AVAILABLE_MIB", str(room))
+    _tier_fails_at_load(src, pack, 64, r"'ram_cache_mib' asks for a host-RAM tier of [0-9.]+ MiB \(64 blocks "
+                                       rf"of .* MiB\), but this process can take only {room:.1f} MiB more", slots=K + 1)
     monkeypatch.delenv("EXPERT_PACK_TEST_MEM_AVAILABLE_MIB")
     _decode(src, _provider(pack, 2 * K + 1, 24), 1)  # the real headroom of this machine takes it
 
@@ -226,8 +230,9 @@ def test_ram_tier_sizing_takes_the_cgroups_page_cache_as_reclaimable(packs, monk
     cgroup that has just read the trunk still takes a tier that fits, and one whose usage is its own memory does
     not. (The H200's benchmark cgroup refused a tier it had run with because of the page cache.)"""
     src, pack = packs("qwen3moe")
-    n = 24
+    n = 64  # every expert: a tier larger than twice the device cache, which on the CPU takes from the same headroom
     need = int(ram_mib_for_blocks(pack, n) * 2**20)  # the tier's bytes (a little more than n blocks)
+    assert need // 2 > cache_mib_for_slots(pack, K + 1) * 2**20
     limit = 2 * need
     cg = tmp_path / "cgroup"
     cg.mkdir()
@@ -237,10 +242,10 @@ def test_ram_tier_sizing_takes_the_cgroups_page_cache_as_reclaimable(packs, monk
     monkeypatch.setenv("EXPERT_PACK_TEST_MEM_AVAILABLE_MIB", "1000000")
     (cg / "memory.stat").write_text(f"anon {limit - need}\nfile {need // 2 + 8192}\n"
                                      f"active_file {need // 4 + 4096}\ninactive_file {need // 4 + 4096}\nshmem 0\n")
-    _decode(src, _provider(pack, 2 * K + 1, n), 1)  # the cache is reclaimable: the tier fits
+    _decode(src, _provider(pack, K + 1, n), 1)  # the cache is reclaimable: the tier fits
     (cg / "memory.stat").write_text(f"anon {limit - need // 2}\nfile 0\nactive_file 0\ninactive_file 0\n")
     _tier_fails_at_load(src, pack, n, r"can take only [0-9.]+ MiB more \(memory\.max - \(memory\.current - "
-                                      r"page cache 0 MiB\) of cgroup /\)")
+                                      r"page cache 0 MiB\) of cgroup /\)", slots=K + 1)
 
 
 # ---- concurrent miss reads (read_threads) -------------------------------------------------------------------

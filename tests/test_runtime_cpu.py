@@ -236,18 +236,22 @@ def test_pack_of_another_build_is_refused(model_and_pack, tmp_path):
         Provider.open(bad)
 
 
-def test_checksum_mismatch_stops_the_step(model_and_pack, tmp_path):
+@pytest.mark.parametrize("read_splits,where", [(1, "head"), (4, "head"), (4, "tail")])
+def test_checksum_mismatch_stops_the_step(model_and_pack, tmp_path, read_splits, where):
+    """read_splits > 1: the chunked path, which hashes a block chunk by chunk as its chunks land."""
     src, pack = model_and_pack("q4_k")
     bad = tmp_path / "bad"
     shutil.copytree(pack, bad)
     l = layers_from_manifest(load_manifest(bad))[0]
+    at = 100 if where == "head" else l.block_bytes - 50
     with open(bad / PACK_FILE, "r+b") as f:  # corrupt every expert of layer 0: the first step needs one
         for e in range(16):
-            f.seek(l.expert_offset(e) + 100)
+            f.seek(l.expert_offset(e) + at)
             b = f.read(1)
-            f.seek(l.expert_offset(e) + 100)
+            f.seek(l.expert_offset(e) + at)
             f.write(bytes([b[0] ^ 1]))
-    p = _provider(bad, 2 * K + 1)
+    p = Provider.open(bad, cache_vram_mib=cache_mib_for_slots(bad, 2 * K + 1), cache_vram_reserve_mib=0,
+                      read_splits=read_splits)
     try:
         r = run(src, p)
         assert r.error != 0 and len(r.logits) == 0  # no logits from a step with missing data

@@ -14,6 +14,7 @@
 #if defined(EXPERT_PACK_HAVE_AVX2)
 namespace expert_pack {
 XXH128_hash_t xxh3_128_avx2(const void * data, size_t size);  // checksum_avx2.cpp
+void xxh3_128_update_avx2(void * state, const void * data, size_t size);
 }
 
 static bool use_avx2() {
@@ -47,6 +48,12 @@ extern "C" expert_pack_hasher * expert_pack_hasher_new(void) {
 }
 
 extern "C" void expert_pack_hasher_update(expert_pack_hasher * h, const void * data, size_t size) {
+#if defined(EXPERT_PACK_HAVE_AVX2)
+    if (use_avx2()) {
+        expert_pack::xxh3_128_update_avx2(&h->state, data, size);
+        return;
+    }
+#endif
     XXH3_128bits_update(&h->state, data, size);
 }
 

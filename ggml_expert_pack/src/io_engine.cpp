@@ -187,6 +187,18 @@ void io_engine::read_part_now(uint8_t * dst, uint64_t off, size_t len) {
     }
 }
 
+void io_engine::read_whole(void * dst, uint64_t off, size_t len) {
+    if (eio_after_.load() >= 0 && eio_after_.fetch_sub(1) <= 0) {
+        eio_after_ = 0;
+        throw io_error("read of " + std::to_string(len) + " bytes at offset " + std::to_string(off) + " of " + path_ +
+                       " failed: Input/output error (injected)");
+    }
+    if (direct_ && (((uintptr_t) dst % ALIGN) || (off % ALIGN) || (len % ALIGN))) {
+        throw io_error("misaligned O_DIRECT read (buffer, offset or length not a multiple of 4096)");
+    }
+    read_part((uint8_t *) dst, off, len);
+}
+
 void io_engine::read(void * dst, uint64_t off, size_t len) {
     uint8_t * d = (uint8_t *) dst;
     if (eio_after_.load() >= 0 && eio_after_.fetch_sub(1) <= 0) {

@@ -46,6 +46,8 @@ public:
     // Read exactly `len` bytes at `off` into `dst` (4096-aligned address, offset and length when direct).
     // Throws io_error (short file, EIO, ...). Short reads are retried and counted.
     void read(void * dst, uint64_t off, size_t len);
+    // The same as one request, never split (the caller splits: the chunked miss path of the provider).
+    void read_whole(void * dst, uint64_t off, size_t len);
 
     uint64_t file_size() const { return size_; }
 

@@ -258,6 +258,19 @@ struct miss_load {
     std::exception_ptr failure;  // the first one
     size_t outstanding = 0;      // reads submitted and not yet collected
 
+    // the chunked path (read_splits > 1 through staging): miss j is read_chunks jobs of chunk_bytes, tag j * n + c
+    struct chunked_block {
+        std::mutex mu;
+        std::vector<char> landed;
+        size_t hashed = 0;        // chunks hashed so far, in order
+        bool hashing = false;     // a read thread is hashing this block now
+        expert_pack_hasher * h = nullptr;
+        size_t remaining = 0;     // chunk jobs not yet collected (acquiring thread only)
+        ~chunked_block() { if (h) expert_pack_hasher_free(h); }
+    };
+    size_t read_chunks = 1, chunk_bytes = 0;
+    std::vector<std::unique_ptr<chunked_block>> blocks;
+
     miss_load(expert_pack_provider & p, expert_pack_layer * L) : p(p), L(L), lay(*L->layout) {
         for (size_t i = 0; i < L->plan.size(); ++i) {
             if (!L->plan[i].hit) miss.push_back(i);
@@ -292,6 +305,71 @@ struct miss_load {
             rm->issue = step_timeline::now();
         }
         p.reads->submit(j, [pp = &p, l = &lay, e, dst, rm] { pp->read_block(*l, e, dst, rm); });
+    }
+
+    // miss j as read_chunks jobs: each reads its chunk; the block's checksum advances chunk by chunk in order on
+    // whichever read thread holds the next chunk, so it overlaps the reads of the later chunks
+    void submit_chunked(size_t j, uint8_t * dst) {
+        const int32_t e = L->plan[miss[j]].expert;
+        if (blocks.size() < miss.size()) blocks.resize(miss.size());
+        blocks[j] = std::make_unique<chunked_block>();
+        chunked_block * b = blocks[j].get();
+        b->landed.assign(read_chunks, 0);
+        b->remaining = read_chunks;
+        if (p.cfg.verify_pack_sha256) b->h = expert_pack_hasher_new();
+        if (p.marks && j < p.marks->reads.size()) {
+            auto & rm = p.marks->reads[j];
+            rm.expert = e;
+            rm.issue = rm.start = step_timeline::now();
+        }
+        for (size_t c = 0; c < read_chunks; ++c) {
+            ++outstanding;
+            p.reads->submit(j * read_chunks + c, [this, b, e, dst, c] { read_chunk(b, e, dst, c); });
+        }
+    }
+
+    void read_chunk(chunked_block * b, int32_t e, uint8_t * dst, size_t c) {
+        const uint64_t off = c * chunk_bytes;
+        const uint64_t n = std::min<uint64_t>(chunk_bytes, lay.read_bytes - off);
+        const auto t0 = clk_now();
+        p.io->read_whole(dst + off, lay.expert_offset(e) + off, n);
+        p.stats.read_ns += ns_between(t0, clk_now());
+        p.stats.pack_read_bytes += n;
+        if (!b->h) {
+            return;
+        }
+        std::unique_lock<std::mutex> lk(b->mu);
+        b->landed[c] = 1;
+        if (b->hashing) {
+            return;  // the thread hashing this block takes this chunk in turn
+        }
+        b->hashing = true;
+        while (b->hashed < read_chunks && b->landed[b->hashed]) {
+            const uint64_t at = b->hashed * chunk_bytes;
+            lk.unlock();
+            if (at < lay.block_bytes) {
+                expert_pack_hasher_update(b->h, dst + at, std::min<uint64_t>(chunk_bytes, lay.block_bytes - at));
+            }
+            lk.lock();
+            ++b->hashed;
+        }
+        b->hashing = false;
+        if (b->hashed < read_chunks) {
+            return;
+        }
+        lk.unlock();
+        uint8_t sum[16];
+        expert_pack_hasher_digest(b->h, sum);
+        if (memcmp(sum, lay.checksums[e].data(), 16) != 0) {
+            throw io_error("checksum mismatch in layer " + std::to_string(lay.layer) + " expert " + std::to_string(e) +
+                           " (pack offset " + std::to_string(lay.expert_offset(e)) + "): expected " +
+                           to_hex(lay.checksums[e].data(), 16) + ", read " + to_hex(sum, 16));
+        }
+    }
+
+    static std::chrono::steady_clock::time_point clk_now() { return std::chrono::steady_clock::now(); }
+    static uint64_t ns_between(std::chrono::steady_clock::time_point a, std::chrono::steady_clock::time_point b) {
+        return (uint64_t) std::chrono::duration_cast<std::chrono::nanoseconds>(b - a).count();
     }
 };
 
@@ -541,6 +619,43 @@ void expert_pack_provider::load_via_staging(miss_load & m) {
     const layer_layout & lay = m.lay;
     const size_t nb = L->stage->n_buffers();
     std::vector<size_t> buf_of(m.miss.size());
+    if (cfg.read_splits > 1 && lay.read_bytes >= 2 * PACK_ALIGNMENT) {
+        // chunked: every chunk of the submitted misses in flight at once; each chunk is copied into its slot as it
+        // lands (the slot is published only when acquire returns, after every block's checksum has passed)
+        const uint64_t pages = lay.read_bytes / PACK_ALIGNMENT;
+        const uint64_t per = (pages + (uint64_t) cfg.read_splits - 1) / (uint64_t) cfg.read_splits;
+        m.chunk_bytes = per * PACK_ALIGNMENT;
+        m.read_chunks = (size_t) ((lay.read_bytes + m.chunk_bytes - 1) / m.chunk_bytes);
+        auto on_chunk = [&](size_t tag) {
+            const size_t j = tag / m.read_chunks, c = tag % m.read_chunks;
+            auto * b = m.blocks[j].get();
+            const uint64_t off = c * m.chunk_bytes;
+            const uint64_t n = off < lay.block_bytes ? std::min<uint64_t>(m.chunk_bytes, lay.block_bytes - off) : 0;
+            const bool last = --b->remaining == 0;
+            L->stage->store_part(L->arena, L->plan[m.miss[j]].slot, buf_of[j], off, n, last);
+            if (last) {
+                if (marks && j < marks->reads.size()) marks->reads[j].io = marks->reads[j].hash = step_timeline::now();
+                stats.ram_misses++;
+                m.loaded(j);
+            }
+        };
+        size_t next = 0;
+        while ((!m.failure && next < m.miss.size()) || m.outstanding) {
+            try {
+                if (!m.failure && next < m.miss.size() && (next < nb || m.stored[next - nb]) && !reads->ready()) {
+                    const auto t0 = clk::now();
+                    uint8_t * buf = L->stage->acquire(&buf_of[next]);
+                    stats.copy_wait_ns += ns_since(t0);
+                    m.submit_chunked(next++, buf);
+                } else {
+                    m.collect(on_chunk);
+                }
+            } catch (...) {
+                if (!m.failure) m.failure = std::current_exception();
+            }
+        }
+        return;
+    }
     auto on_read = [&](size_t j) {
         L->stage->store(L->arena, L->plan[m.miss[j]].slot, lay.block_bytes, buf_of[j]);  // asynchronous on a GPU
         stats.ram_misses++;

@@ -1,5 +1,7 @@
 #include "staging.h"
 
+#include <cstring>
+
 #include "manifest.h"
 
 #include <algorithm>
@@ -109,6 +111,25 @@ void staging::store(layer_arena & arena, int32_t slot, size_t n, size_t index) {
         pending_ = true;
     } else {
         arena_store(arena, slot, bufs_[index], n);
+    }
+}
+
+void staging::store_part(layer_arena & arena, int32_t slot, size_t index, size_t off, size_t n, bool last) {
+    const uint64_t dst = (uint64_t) slot * arena.slot_stride + off;
+    if (copy_backend_ && !arena.host_base) {
+        if (n) {
+            ggml_backend_tensor_set_async(copy_backend_, arena.bytes, bufs_[index] + off, dst, n);
+        }
+        if (last) {
+            ggml_backend_event_record(events_[index], copy_backend_);
+            in_flight_[index] = true;
+        }
+        pending_ = true;
+    } else if (!n) {
+    } else if (arena.host_base) {
+        memcpy(arena.host_base + dst, bufs_[index] + off, n);
+    } else {
+        ggml_backend_tensor_set(arena.bytes, bufs_[index] + off, dst, n);
     }
 }
 

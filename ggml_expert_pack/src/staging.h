@@ -54,6 +54,9 @@ public:
     // on a GPU.
     void store(layer_arena & arena, int32_t slot, size_t n);
     void store(layer_arena & arena, int32_t slot, size_t n, size_t index);
+    // Copy bytes [off, off + n) of buffer `index` into the same bytes of a slot (one chunk of a block); `last`: the
+    // buffer's final copy, after which it may be reused (acquire waits for it). Asynchronous on a GPU.
+    void store_part(layer_arena & arena, int32_t slot, size_t index, size_t off, size_t n, bool last);
     size_t n_buffers() const { return bufs_.size(); }
     // Copy `n` bytes from `src` into a slot without going through a staging buffer (the RAM tier's blocks).
     // On a GPU the copy is asynchronous, so `src` must be pinned memory that nobody overwrites until the copy
