@@ -1,7 +1,7 @@
 """ctypes access to the few libggml-base functions the Python side needs (quantization, row validation).
 
 PyPI's gguf and the vendored gguf-py can only *de*quantize K-quants; quantizing goes through the very ggml
-that llama.cpp runs (DESIGN.md trap 12), shipped in llama_cpp/lib by this wheel.
+that llama.cpp runs (docs/ARCHITECTURE.md, trap 12), shipped in llama_cpp/lib by this wheel.
 """
 from __future__ import annotations
 

@@ -50,7 +50,7 @@ class Run:
 
 
 def load_model(model_path, provider=None, n_gpu_layers: int = 0):
-    """llama_model_load_from_file with the pack attached and extra buffer types off (DESIGN.md trap 10), so that
+    """llama_model_load_from_file with the pack attached and extra buffer types off (docs/ARCHITECTURE.md, trap 10), so that
     stock and the pack run the same kernels; raises RuntimeError with the provider's reason."""
     import llama_cpp as lc
     from llama_cpp._logger import set_verbose
@@ -71,7 +71,7 @@ def load_model(model_path, provider=None, n_gpu_layers: int = 0):
 def run(model_path, provider=None, n_ubatch: int = 512, prompt_len: int = 12, n_decode: int = 32,
         n_ctx: int = 256, n_gpu_layers: int = 0, record_routing: bool = False, n_threads: int = 2) -> Run:
     """Prompt (`prompt_len` fixed tokens, one llama_decode) then `n_decode` greedy steps. Extra buffer types
-    are off (DESIGN.md trap 10) so that stock and the pack run the same kernels."""
+    are off (docs/ARCHITECTURE.md, trap 10) so that stock and the pack run the same kernels."""
     import llama_cpp as lc
     from .routing.trace import GGMLTensor, _TOPK, _tensor_array
 

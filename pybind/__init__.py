@@ -1,7 +1,7 @@
 """cffi binding to the runtime provider's C API (libggml-expert-pack, ggml_expert_pack/include/expert_pack.h).
 
 ABI mode: the declarations are read from the installed header itself, so the binding cannot drift from the
-library; llama_cpp keeps its own ctypes binding for llama.h (DESIGN.md §0, two FFI layers).
+library; llama_cpp keeps its own ctypes binding for llama.h (docs/ARCHITECTURE.md, "Decisions": two FFI layers).
 """
 from __future__ import annotations
 

@@ -31,13 +31,19 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_decode import drop_caches, measure, tokenize  # noqa: E402
 
-CONFIGS = {  # provider keys on top of the evicting cache; every other key at its default
+CONFIGS = {  # provider keys on top of the evicting cache; every key not named at its default
     "default": {},
+    "whole-blocks-4": {"read_threads": 4, "read_splits": 1},  # one read and one hash per miss, 4 at a time
     "no-checksum": {"verify_pack_sha256": False},
     "threads-8": {"read_threads": 8},
     "splits-4": {"read_splits": 4},
-    "threads-8-splits-4": {"read_threads": 8, "read_splits": 4},
     "threads-1": {"read_threads": 1},
+    # the chunked miss path (read_splits > 1): chunks of every miss in flight, hashed and copied as they land
+    "chunked-8x4": {"read_threads": 8, "read_splits": 4},
+    "chunked-16x4": {"read_threads": 16, "read_splits": 4},
+    "chunked-16x8": {"read_threads": 16, "read_splits": 8},
+    "chunked-32x8": {"read_threads": 32, "read_splits": 8},
+    "chunked-16x8-no-checksum": {"read_threads": 16, "read_splits": 8, "verify_pack_sha256": False},
 }
 
 
@@ -74,6 +80,8 @@ def main() -> int:
     ap.add_argument("--pack", type=Path, required=True)
     ap.add_argument("--out", type=Path, default=Path("."))
     ap.add_argument("--copy-to", type=Path, default=Path("/dev/shm"), help="RAM-backed folder for the pack's copy")
+    ap.add_argument("--disk-dir", type=Path, help="for `disk`: copy the pack into this folder (a real disk) first")
+    ap.add_argument("--disk-configs", help="configurations for `disk` (default: --configs)")
     ap.add_argument("--storage", default="ram,12", help="comma-separated: disk, ram, or N (GB/s emulated)")
     ap.add_argument("--configs", default="default,no-checksum", help=f"comma-separated, of {', '.join(CONFIGS)}")
     ap.add_argument("--latency-us", type=float, default=80.0)
@@ -120,6 +128,13 @@ def main() -> int:
             shutil.rmtree(ram_pack, ignore_errors=True)
             shutil.copytree(args.pack, ram_pack)
 
+    disk_pack = args.pack
+    if "disk" in storages and args.disk_dir:
+        disk_pack = args.disk_dir / args.pack.name
+        if not (disk_pack / "manifest.json").exists():
+            shutil.rmtree(disk_pack, ignore_errors=True)
+            shutil.copytree(args.pack, disk_pack)
+
     if not args.no_stock:
         res["stock"] = measure(args.model, tokens, args.prefill, args.decode)
         p = Provider.open(ram_pack or args.pack, cache_vram_reserve_mib=0)
@@ -130,10 +145,11 @@ def main() -> int:
     compute_s = res["all_cached"]["decode_step_ms"] / 1e3 if "all_cached" in res else None
 
     for storage in storages:
-        for name in args.configs.split(","):
+        names = (args.disk_configs or args.configs) if storage == "disk" else args.configs
+        for name in names.split(","):
             cfg = dict(CONFIGS[name])
             env = os.environ.pop("EXPERT_PACK_TEST_STORAGE", None)
-            pack = args.pack if storage == "disk" else ram_pack
+            pack = disk_pack if storage == "disk" else ram_pack
             gbps = None
             if storage not in ("disk", "ram"):
                 gbps = float(storage)

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The reference workload on several systems side by side, under a host-RAM cap (issue 8; DESIGN.md §5).
+"""The reference workload on several systems side by side, under a host-RAM cap (docs/BENCHMARKS.md, "Method: the reference workload under a RAM cap").
 
     python scripts/bench_systems.py --out RESULTS [--systems b,c,e,d,c-tiny,a] [--budget-s 150] ...
 
@@ -29,7 +29,7 @@ lossless tests show stock-identical logits on that path), so it is the same sour
 
 Also measured in the same run: O_DIRECT read bandwidth at expert granularity and pinned/pageable host-to-device
 bandwidth. Each system's result goes to OUT/SYSTEM.json (bench-client's report plus the run's extras), then
-OUT/table.md and OUT/rates.png from every JSON in OUT (results of several sessions can be assembled).
+OUT/table.md and OUT/rates.png from every JSON in OUT (results of several runs can be assembled).
 """
 from __future__ import annotations
 
@@ -254,7 +254,7 @@ def step_profile_lines(reps: dict) -> list[str]:
 
 
 def overlap_lines(reps: dict, bw: float, t_rest: float) -> list[str]:
-    """Per system of ours: decode step time against max(read time, compute time) of the same step (issue 9). The
+    """Per system of ours: decode step time against max(read time, compute time) of the same step. The
     read time is the step's pack bytes at the bandwidth (c) achieved while reading (the disk's busy time, whoever
     reads); the compute time is (c)'s time outside reads (nothing here changes it). Serial reads and compute give
     read + compute; full overlap gives the larger of the two. With prefetch, also its counters. Systems with several

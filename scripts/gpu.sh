@@ -91,7 +91,7 @@ do_build() {
 
 do_archs() {
   # A release build adds the cards users have. Compiling all of ggml-cuda for three archs takes ~3x a build, more
-  # device time than a session has; one object of ggml-cuda through the same CMake path shows that the option
+  # GPU time than a benchmark run should spend; one object of ggml-cuda through the same CMake path shows that the option
   # reaches nvcc and yields SASS for each arch.
   local out=$1 archs=${EP_RELEASE_ARCHS:-89;90a;120} dir=build/release-archs
   cmake -S . -B "$dir" -G Ninja -DGGML_CUDA=ON "-DCMAKE_CUDA_ARCHITECTURES=$archs" -DCMAKE_BUILD_TYPE=Release \

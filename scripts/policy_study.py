@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Policy study (issue 9.3): for each routing setting of the generator (uniform, realistic, skewed), generate the
+"""Policy study: for each routing setting of the generator (uniform, realistic, skewed), generate the
 "routing"-shaped model (128 experts, top-8, 12 MoE layers), record its routing on the built-in prompts, and replay
 the trace through LRU, LFU, our hybrid and Belady's optimum at several cache sizes.
 

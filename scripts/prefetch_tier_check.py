@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""What next-layer prefetch costs the host-RAM tier, on the CPU (issue 9): decode the routing-shaped synthetic model
+"""What next-layer prefetch costs the host-RAM tier, on the CPU: decode the routing-shaped synthetic model
 (qwen3moe, 128 experts, top-8, 12 MoE layers, realistic routing) one token per step with the spill tier and
 
     off      no prefetch

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""What a host-RAM tier saves, replayed on a routing trace (issue 9): device cache per layer + one RAM pool.
+"""What a host-RAM tier saves, replayed on a routing trace: device cache per layer + one RAM pool.
 
     python3 scripts/ram_tier_sim.py TRACE.npz [--vram-frac 0.14] [--ram-frac 0.10] [--out OUT.json]
 

@@ -1,4 +1,4 @@
-"""Every MoE architecture of the vendored llama.cpp (issue 6.2): llama.cpp's own `test-llama-archs -o` writes a small
+"""Every MoE architecture of the vendored llama.cpp: llama.cpp's own `test-llama-archs -o` writes a small
 random model per architecture; each MoE one is packed and must either compute logits bit-identical to stock
 llama.cpp on the original (64-token prompt in one batch + 32 decode steps, at the minimum cache and all-fit), or
 be refused with a message naming its architecture. The table of outcomes goes to test-artifacts/archs.md.

@@ -1,4 +1,4 @@
-"""Runtime completeness on CPU (issue 6): trunk + pack without the original, mismatched trios refused, I/O
+"""Runtime completeness on CPU: trunk + pack without the original, mismatched trios refused, I/O
 faults mid-generation that fail the request and recover."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The fork's own llama.cpp tools take --expert-pack (issue 6.5): llama-server answers completions from a trunk +
+"""The fork's own llama.cpp tools take --expert-pack: llama-server answers completions from a trunk +
 pack exactly as stock llama-server does from the original GGUF; llama-bench and llama-cli run with a pack; bad
 flags and a wrong pack fail with a clear message."""
 from __future__ import annotations

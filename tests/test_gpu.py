@@ -1,7 +1,7 @@
 """GPU path (marker `gpu`; skipped without a CUDA device): trunk + pack on the GPU against stock llama.cpp on
 the original GGUF, same GPU, for the three main architectures, at the minimum cache and all-fit.
 
-The criterion (DESIGN.md trap 11): greedy tokens identical, and max |delta logit| within the difference that
+The criterion (docs/ARCHITECTURE.md, trap 11): greedy tokens identical, and max |delta logit| within the difference that
 stock llama.cpp shows between its own runs at two n_ubatch settings (GPU kernels depend on the batch shape
 and on the number of experts in the weight tensor, so bit equality is not guaranteed beyond a few tokens).
 """

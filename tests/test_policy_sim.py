@@ -1,4 +1,4 @@
-"""The policy simulator (issue 9.3): exact on hand-made traces, Belady is an upper bound, the hybrid is the
+"""The policy simulator: exact on hand-made traces, Belady is an upper bound, the hybrid is the
 provider's own policy."""
 from __future__ import annotations
 

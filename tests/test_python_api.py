@@ -1,4 +1,4 @@
-"""The Python API (issue 7): `Llama(model_path, expert_pack=...)` behaves like stock llama-cpp-python on the
+"""The Python API: `Llama(model_path, expert_pack=...)` behaves like stock llama-cpp-python on the
 original GGUF — same text, same chat, same streaming — plus `expert_pack_stats()`; bad configuration raises
 ValueError naming the key."""
 from __future__ import annotations

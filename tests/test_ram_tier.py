@@ -1,4 +1,4 @@
-"""The host-RAM tier and concurrent miss reads (issue 9). The tier is a pool of whole expert blocks in host
+"""The host-RAM tier and concurrent miss reads. The tier is a pool of whole expert blocks in host
 memory between the pack and the device cache. With it the logits stay bit-identical to stock llama.cpp, every
 device-cache miss is a RAM hit or a pack read, a tier that holds everything serves a second run without
 touching the pack, an I/O error fails only the request it hits, and bad sizes are refused naming the key; the

@@ -1,4 +1,4 @@
-"""Runtime core on CPU (issue 4): llama.cpp with an expert pack computes the same logits as stock llama.cpp,
+"""Runtime core on CPU: llama.cpp with an expert pack computes the same logits as stock llama.cpp,
 bit for bit, at every cache size; the counters add up; the policy replays exactly; it fails closed."""
 from __future__ import annotations
 

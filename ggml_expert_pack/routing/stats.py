@@ -1,4 +1,4 @@
-"""Routing statistics of DESIGN.md §6, computed from recorded traces, with the bands real MoE models show.
+"""Routing statistics (docs/SYNTH.md, "Routing realism"), computed from recorded traces, with the bands real MoE models show.
 
 What each number means here (the published measurements behind the bands differ in setup; these are our
 definitions, documented in docs/SYNTH.md):

@@ -21,10 +21,10 @@ struct layer_arena {
 };
 
 // Slot stride: the block rounded up so that every role view's nb[2] is a multiple of its type's block size
-// and of 256 (DESIGN.md trap 3: kernels keep their fast paths and compute offsets in whole blocks).
+// and of 256 (docs/ARCHITECTURE.md, trap 3: kernels keep their fast paths and compute offsets in whole blocks).
 uint64_t slot_stride_for(const layer_layout & l);
 
-// Tail padding after the last slot: quantized GPU kernels read past the last row (DESIGN.md trap 4).
+// Tail padding after the last slot: quantized GPU kernels read past the last row (docs/ARCHITECTURE.md, trap 4).
 constexpr uint64_t ARENA_TAIL_PAD = 64 * 1024;
 
 uint64_t arena_bytes(const layer_layout & l, int32_t n_slots);

@@ -14,7 +14,7 @@ EXPERT_ROLES = ("gate", "up", "down")
 
 @dataclass
 class RoutingConfig:
-    """How realistic the router's choices are (DESIGN.md §6 gives the bands real models show).
+    """How realistic the router's choices are (docs/SYNTH.md gives the bands real models show).
 
     zipf        strength of expert popularity within a layer (0 = none; the Zipf exponent measured on top
                 of a random router's own unevenness is higher, see docs/SYNTH.md)
@@ -146,7 +146,7 @@ class SynthConfig:
 SHAPES: dict[str, dict] = {
     # seconds to generate; used by the test-suite
     "tiny":      dict(n_layer=4, n_embd=256, n_head=4, n_head_kv=2, n_expert=16, n_expert_used=4, n_ff_exp=256),
-    # the benchmark model of DESIGN.md §5: 30B-A3B-shaped qwen3moe, ~17 GB with Q4_K experts
+    # the benchmark model (docs/BENCHMARKS.md, "The benchmark model"): 30B-A3B-shaped qwen3moe, ~17 GB with Q4_K experts
     "30b-a3b":   dict(arch="qwen3moe", n_layer=48, n_embd=2048, n_head=32, n_head_kv=4, head_dim=128,
                       n_expert=128, n_expert_used=8, n_ff_exp=768, n_ctx_train=40960,
                       expert_type="q4_k", weight_type="q8_0", embd_type="q8_0"),

@@ -1,6 +1,6 @@
 """Weight values of the synthetic models, including the structure that makes routing realistic.
 
-A random transformer routes every token independently and uniformly; real MoE models do not (DESIGN.md §6).
+A random transformer routes every token independently and uniformly; real MoE models do not (docs/SYNTH.md).
 The structure below reproduces the three effects that matter for an expert cache, each with one knob
 (synth.config.RoutingConfig):
 
