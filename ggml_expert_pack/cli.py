@@ -136,7 +136,7 @@ def cmd_routing_stats(args) -> int:
 def add_routing_stats(sub) -> None:
     p = sub.add_parser("routing-stats", help="measure a model's routing against the bands of real MoE models",
                        description="Teacher-force a fixed prompt set through the model (stock llama.cpp), record "
-                       "the experts chosen per token and layer, and print the routing statistics of docs/SYNTH.md, "Routing realism".")
+                       "the experts chosen per token and layer, and print the routing statistics of docs/SYNTH.md, 'Routing realism'.")
     p.add_argument("model", help="GGUF model (first shard of a split model)")
     p.add_argument("--prompts", help="text file, prompts separated by blank lines (default: built-in set)")
     p.add_argument("--threads", type=int, default=0, help="CPU threads (default: llama.cpp's)")
