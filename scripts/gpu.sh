@@ -144,6 +144,9 @@ do_storage_pipeline() {
   wait $prep || { log "preparing the benchmark model failed (prepare.log)"; return 1; }
   timed "$out" bench-storage $PY scripts/bench_storage.py --model "$shm/model.gguf" --pack "$shm/model.pack" \
     --copy-to "$(dirname "$shm")" --out "$out/storage" "$@"
+  # EP_SERVERS_ARGS: also the servers on the same pack (scripts/bench_servers.py)
+  [ -z "${EP_SERVERS_ARGS:-}" ] || timed "$out" bench-servers $PY scripts/bench_servers.py --model "$shm/model.gguf" \
+    --pack "$shm/model.pack" --out "$out/servers" $EP_SERVERS_ARGS
 }
 
 case "${1:-}" in
