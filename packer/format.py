@@ -330,7 +330,7 @@ def validate_manifest(m: dict) -> None:
     files = src.list("files", 1)
     sizes = src.list("sizes")
     for i, f in enumerate(files):
-        if not isinstance(f, str):
+        if not isinstance(f, str) or not _FILE_NAME.match(f):
             raise ManifestError(f"manifest.json: source.files[{i}] is {_short(f)}, expected a file name")
     if len(sizes) != len(files) or not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < _U63
                                            for x in sizes):
@@ -380,8 +380,9 @@ def validate_manifest(m: dict) -> None:
             if rf.str("tensor") != want:
                 raise ManifestError(f"manifest.json: layers[{i}].roles[{j}].tensor is {_short(rj['tensor'])}, "
                                     f"expected {want!r}")
+            tname = rf.str("type")
             try:
-                t = parse_type(rf.str("type"))
+                t = parse_type(tname)
             except ValueError:
                 raise rf._bad("type", "a ggml type name") from None
             if rf.int("type_id", 0, 1 << 31) != int(t):

@@ -13,7 +13,7 @@ from ..ggml_types import GGMLQuantizationType, block_size
 from ..gguf_file import GGUFFormatError, GGUFHeader, TensorEntry, read_header
 from ..gguf_stream import split_path
 from .format import EXPERT_TENSOR, ROLE_ORDER
-from .llama_ops import allowed_types
+from .llama_ops import ROPE_FULL_HEAD, allowed_types, known_name
 
 _SPLIT_NAME = re.compile(r"^(?P<prefix>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 
@@ -159,7 +159,7 @@ def open_source(path: str | Path) -> Source:
     _find_experts(src)
     check_tensor_types(tensors)
     check_hparams(h0, src.n_experts, {layer: {r: t.entry.shape for r, t in roles.items()}
-                                      for layer, roles in src.experts.items()})
+                                      for layer, roles in src.experts.items()}, names)
     return src
 
 
@@ -167,6 +167,9 @@ def check_tensor_types(tensors) -> None:
     """Each tensor's type is one its op in llama.cpp can take (llama_ops), and the type's block divides the row."""
     for t in tensors:
         e = getattr(t, "entry", t)
+        if not known_name(e.name):
+            raise SourceError(f"tensor {e.name} is not one llama.cpp knows: it would refuse the model (it loads "
+                              f"only the tensors it creates)")
         ok = allowed_types(e.name, len(e.shape))
         if ok is not None and e.type not in ok:
             want = "F32" if len(ok) == 1 and GGMLQuantizationType.F32 in ok else \
@@ -204,9 +207,11 @@ def _kv(h: GGUFHeader, key: str, types: tuple, required: bool = False, array_len
     return kv.value
 
 
-def check_hparams(h: GGUFHeader, n_experts: int, experts: dict[int, dict[str, tuple]]) -> None:
+def check_hparams(h: GGUFHeader, n_experts: int, experts: dict[int, dict[str, tuple]],
+                  tensor_names=()) -> None:
     """The hyperparameters llama.cpp asserts on or divides by, in range: a model it would refuse or abort on is
-    refused here, with the key in the message. `experts`: layer -> role -> shape of the routed-expert tensors."""
+    refused here, with the key in the message. `experts`: layer -> role -> shape of the routed-expert tensors;
+    `tensor_names`: every tensor of the model (what needs attention heads and norm epsilons)."""
     a = h.arch
     U32, F32 = (V.UINT32,), (V.FLOAT32,)
 
@@ -217,7 +222,7 @@ def check_hparams(h: GGUFHeader, n_experts: int, experts: dict[int, dict[str, tu
         return v
 
     n_layer = u("block_count", True, 1, 512)
-    u("context_length", True, 1)
+    u("context_length", True, 1, (1 << 31) - 1)  # llama.cpp keeps context sizes in int32
     n_embd = u("embedding_length", True, 1)
     u("nextn_predict_layers", hi=n_layer)
     n_exp = u("expert_count", True, 1, 1024)
@@ -236,9 +241,12 @@ def check_hparams(h: GGUFHeader, n_experts: int, experts: dict[int, dict[str, tu
         g_used = u("expert_group_used_count") or 0
         if groups > 1 and not 0 < g_used < groups:
             raise SourceError(f"{a}.expert_group_used_count is {g_used}, expected 1..{groups - 1}")
-    _kv(h, f"{a}.feed_forward_length", U32, False, n_layer)
-    heads = _kv(h, f"{a}.attention.head_count", U32, False, n_layer)
+    n_ff = _kv(h, f"{a}.feed_forward_length", U32, False, n_layer)
+    attention = any(".attn_" in name for name in tensor_names)
+    heads = _kv(h, f"{a}.attention.head_count", U32, attention, n_layer)
     heads_kv = _kv(h, f"{a}.attention.head_count_kv", U32, False, n_layer)
+    if isinstance(heads_kv, int) and heads and not heads_kv:
+        raise SourceError(f"{a}.attention.head_count_kv is 0 (with {heads} attention heads)")
     if heads is not None and heads_kv is not None:
         hs = heads if isinstance(heads, list) else [heads] * n_layer
         kvs = heads_kv if isinstance(heads_kv, list) else [heads_kv] * n_layer
@@ -246,12 +254,20 @@ def check_hparams(h: GGUFHeader, n_experts: int, experts: dict[int, dict[str, tu
             if nh and nkv and (nkv > nh or nh % nkv):
                 raise SourceError(f"{a}.attention.head_count_kv is {nkv} in block {il}: it must divide "
                                   f"head_count ({nh})")
-    k_len = u("attention.key_length")
-    u("attention.value_length")
+    k_len = u("attention.key_length", lo=1)
+    v_len = u("attention.value_length", lo=1)
     n_rot = u("rope.dimension_count")
     if k_len and n_rot and n_rot > k_len:
         raise SourceError(f"{a}.rope.dimension_count is {n_rot}, more than the head size {a}.attention.key_length "
                           f"({k_len})")
+    h0 = heads[0] if isinstance(heads, list) else heads
+    if a in ROPE_FULL_HEAD and h0:  # llama.cpp's graph for these asserts that the whole head is rotated
+        head_k = k_len or n_embd // h0
+        head_v = v_len or n_embd // h0
+        rot = n_rot if n_rot is not None else head_k
+        if not head_k == head_v == rot:
+            raise SourceError(f"{a}: head size {head_k} (key_length), {head_v} (value_length) and "
+                              f"rope.dimension_count {rot} must be equal for this architecture")
     for key, kv in h.kvs.items():
         if not key.startswith(a + "."):
             continue
@@ -264,6 +280,12 @@ def check_hparams(h: GGUFHeader, n_experts: int, experts: dict[int, dict[str, tu
                 raise SourceError(f"{key} is {x}, expected a positive number")
     for key in ("attention.layer_norm_rms_epsilon", "attention.layer_norm_epsilon", "rope.freq_base"):
         _kv(h, f"{a}.{key}", F32)
+    if any(name.endswith("_norm.weight") for name in tensor_names) and \
+            f"{a}.attention.layer_norm_rms_epsilon" not in h.kvs and f"{a}.attention.layer_norm_epsilon" not in h.kvs:
+        raise SourceError(f"{a}.attention.layer_norm_rms_epsilon is missing (the model has norms, llama.cpp needs "
+                          f"their epsilon)")
+    for key in ("bos", "eos", "eot", "eom", "unknown", "seperator", "padding", "mask"):
+        _kv(h, f"tokenizer.ggml.{key}_token_id", U32)  # llama.cpp reads token ids as uint32
     ff = _kv(h, f"{a}.expert_feed_forward_length", U32)
     latent = _kv(h, f"{a}.expert_latent_length", U32)
     widths = {n_embd} | ({latent} if latent else set())
@@ -286,6 +308,9 @@ def check_hparams(h: GGUFHeader, n_experts: int, experts: dict[int, dict[str, tu
             raise SourceError(f"layer {layer}: experts take {d_in} inputs, {a}.embedding_length is {n_embd}")
         if ff and d_ff != ff:
             raise SourceError(f"layer {layer}: experts are {d_ff} wide, {a}.expert_feed_forward_length is {ff}")
+        if ff is None and isinstance(n_ff, int) and d_ff != n_ff:  # without the key, experts are n_ff wide
+            raise SourceError(f"layer {layer}: experts are {d_ff} wide, but {a}.expert_feed_forward_length is "
+                              f"missing and {a}.feed_forward_length is {n_ff}")
 
 
 def _find_experts(src: Source) -> None:
@@ -309,10 +334,16 @@ def _find_experts(src: Source) -> None:
     if declared is not None and declared != src.n_experts:
         raise SourceError(f"unsupported layout: {arch}.expert_count is {declared} but expert tensors hold "
                           f"{src.n_experts}")
+    first = None
     for layer, roles in sorted(src.experts.items()):
         names = set(roles)
         if "down" not in names or ("gate_up" in names and names & {"gate", "up"}) or not names - {"down"}:
             raise SourceError(f"unsupported layout: layer {layer} has expert roles {sorted(names, key=ROLE_ORDER.index)}")
+        if first is None:
+            first = (layer, names)
+        elif names != first[1]:  # llama.cpp creates the same expert tensors in every MoE layer
+            raise SourceError(f"layer {layer} has expert roles {sorted(names, key=ROLE_ORDER.index)}, layer "
+                              f"{first[0]} {sorted(first[1], key=ROLE_ORDER.index)}: a tensor is missing or misnamed")
 
 
 def shard_of(src: Source, t: SourceTensor) -> Path:

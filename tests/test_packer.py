@@ -521,6 +521,9 @@ def test_tensor_types_are_llama_cpps_table():
     if not arch.exists():
         pytest.skip("the vendored tree is not unpacked")
     assert llama_ops.parse_llama_arch(arch.read_text()) == llama_ops.TENSOR_OPS
+    models = {p.stem: p.read_text() for p in (arch.parent / "models").glob("*.cpp")}
+    assert set(llama_ops.parse_rope_full_head(arch.read_text(), models)) == llama_ops.ROPE_FULL_HEAD
+    assert "qwen3moe" in llama_ops.ROPE_FULL_HEAD and "deepseek4" not in llama_ops.ROPE_FULL_HEAD
     assert llama_ops.ops_for("blk.3.attn_norm.weight") == ["MUL"]
     assert llama_ops.ops_for("blk.3.ffn_up_exps.bias") == ["ADD"]
     assert llama_ops.allowed_types("something.new", 1) == {T.F32}
@@ -546,6 +549,14 @@ def test_tensor_types_are_llama_cpps_table():
     ("qwen3moe.embedding_length", kv_u32("qwen3moe.embedding_length", 128), r"experts take 256 inputs"),
     ("qwen3moe.attention.head_count_kv", kv_u32("qwen3moe.attention.head_count_kv", 3), r"head_count_kv is 3"),
     ("general.alignment", kv_u32("general.alignment", 48), r"general\.alignment must be a power of two"),
+    # qwen3moe's graph asserts that the whole head is rotated: stock llama.cpp aborts at the first decode
+    ("qwen3moe.rope.dimension_count", kv_u32("qwen3moe.rope.dimension_count", 32),
+     r"rope\.dimension_count 32 must be equal"),
+    ("qwen3moe.attention.head_count_kv", kv_u32("qwen3moe.attention.head_count_kv", 0), r"head_count_kv is 0"),
+    ("qwen3moe.attention.layer_norm_rms_epsilon", None, r"layer_norm_rms_epsilon is missing"),
+    ("qwen3moe.expert_feed_forward_length", None, r"experts are 256 wide, but .*expert_feed_forward_length is missing"),
+    ("qwen3moe.context_length", kv_u32("qwen3moe.context_length", 2**31), r"context_length is 2147483648"),
+    ("tokenizer.ggml.eos_token_id", kv_f32("tokenizer.ggml.eos_token_id", 1.0), r"eos_token_id has type float32"),
 ])
 def test_hyperparameters_out_of_range(synth_model, tmp_path, capsys, key, kv, match):
     src = _rewrite_gguf(synth_model("qwen3moe"), tmp_path / "x.gguf", kvs={key: kv})
