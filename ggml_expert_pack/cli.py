@@ -160,7 +160,10 @@ def add_build(sub) -> None:
     p = sub.add_parser("build", help="pack a GGUF model: expert pack + manifest + trunk GGUF",
                        description="Rewrite every routed expert of MODEL as one contiguous 4096-aligned block in "
                        "DIR/experts.pack, describe them in DIR/manifest.json, and write everything else to "
-                       "DIR/trunk.gguf. Afterwards the original GGUF is no longer needed. docs/FORMAT.md.")
+                       "DIR/trunk.gguf. Afterwards the original GGUF is no longer needed. docs/FORMAT.md. A source "
+                       "that stock llama.cpp would refuse or abort on (a tensor type its op cannot take, a type "
+                       "whose block does not divide the row, hyperparameters out of range) is refused, naming "
+                       "the tensor or key (exit 2); nothing is written.")
     p.add_argument("model", help="GGUF model, or the first shard (NAME-00001-of-0000N.gguf) of a split one")
     p.add_argument("-o", "--out", required=True, help="output directory")
     p.add_argument("--force", action="store_true", help="replace an existing pack in the output directory")
@@ -186,7 +189,11 @@ def cmd_verify(args) -> int:
 def add_verify(sub) -> None:
     p = sub.add_parser("verify", help="check a pack: structure, alignment, every checksum, the trio belongs together",
                        description="Exit 0 if DIR is a complete, intact expert pack; otherwise exit 1 naming the "
-                       "first problem (e.g. the first bad block).")
+                       "first problem (e.g. the first bad block). Checked: every manifest field (presence, type, "
+                       "range), the digests, the layout against the packer's, the pack header (reserved bytes "
+                       "included), the trunk's header, tensor types and hyperparameters, and (without --quick) "
+                       "every block's checksum and zero padding and the trunk's checksum. A path that is not a "
+                       "pack directory: exit 2.")
     p.add_argument("pack", help="pack directory")
     p.add_argument("--quick", action="store_true", help="structure and identities only, no data read")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
