@@ -266,6 +266,8 @@ struct miss_load {
         bool hashing = false;     // a read thread is hashing this block now
         expert_pack_hasher * h = nullptr;
         size_t remaining = 0;     // chunk jobs not yet collected (acquiring thread only)
+        std::vector<char> collected;  // chunks collected (acquiring thread only)
+        size_t copied = 0;        // chunks whose copy into the slot is issued, in order (acquiring thread only)
         ~chunked_block() { if (h) expert_pack_hasher_free(h); }
     };
     size_t read_chunks = 1, chunk_bytes = 0;
@@ -315,6 +317,7 @@ struct miss_load {
         blocks[j] = std::make_unique<chunked_block>();
         chunked_block * b = blocks[j].get();
         b->landed.assign(read_chunks, 0);
+        b->collected.assign(read_chunks, 0);
         b->remaining = read_chunks;
         if (p.cfg.verify_pack_sha256) b->h = expert_pack_hasher_new();
         if (p.marks && j < p.marks->reads.size()) {
@@ -627,12 +630,20 @@ void expert_pack_provider::load_via_staging(miss_load & m) {
         m.chunk_bytes = per * PACK_ALIGNMENT;
         m.read_chunks = (size_t) ((lay.read_bytes + m.chunk_bytes - 1) / m.chunk_bytes);
         auto on_chunk = [&](size_t tag) {
+            // the landed prefix not yet copied goes in one copy (fewer, larger copies than one per chunk)
             const size_t j = tag / m.read_chunks, c = tag % m.read_chunks;
             auto * b = m.blocks[j].get();
-            const uint64_t off = c * m.chunk_bytes;
-            const uint64_t n = off < lay.block_bytes ? std::min<uint64_t>(m.chunk_bytes, lay.block_bytes - off) : 0;
+            b->collected[c] = 1;
             const bool last = --b->remaining == 0;
-            L->stage->store_part(L->arena, L->plan[m.miss[j]].slot, buf_of[j], off, n, last);
+            size_t end = b->copied;
+            while (end < m.read_chunks && b->collected[end]) ++end;
+            if (end == b->copied) {
+                return;  // an earlier chunk is still being read
+            }
+            const uint64_t off = b->copied * m.chunk_bytes;
+            const uint64_t stop = std::min<uint64_t>(end * m.chunk_bytes, lay.block_bytes);
+            b->copied = end;
+            L->stage->store_part(L->arena, L->plan[m.miss[j]].slot, buf_of[j], off, stop > off ? stop - off : 0, last);
             if (last) {
                 if (marks && j < marks->reads.size()) marks->reads[j].io = marks->reads[j].hash = step_timeline::now();
                 stats.ram_misses++;

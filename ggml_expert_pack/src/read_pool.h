@@ -5,6 +5,7 @@
 // the plain read, copy, read, copy.
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
 #include <cstddef>
 #include <deque>
@@ -50,7 +51,9 @@ private:
     std::condition_variable work_cv_, done_cv_;
     std::deque<std::pair<size_t, std::function<void()>>> jobs_;
     std::deque<std::pair<size_t, std::exception_ptr>> done_;
+    std::atomic<size_t> n_done_{0};  // done_.size(), readable without the lock (next() spins on it briefly)
     bool stop_ = false;
+    int spin_ = 0;  // pause iterations next() spins before it sleeps
 };
 
 }  // namespace expert_pack
