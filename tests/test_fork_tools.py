@@ -4,6 +4,7 @@ flags and a wrong pack fail with a clear message."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import urllib.error
 import urllib.request
@@ -91,7 +92,9 @@ def test_llama_server_with_pack_answers_like_stock(packs, tmp_path, arch):
     s = json.loads(stats.read_text())
     assert s["cache_misses"] > 0 and s["cache_evictions"] > 0 and s["io_errors"] == 0
     assert s["pack_read_bytes"] > 0
-    assert "expert pack" in ours.output()
+    # one line at the default log level says how the cache was sized
+    assert re.search(r"expert pack: 4 of 16 experts cached per MoE layer, 0 of \d+ MoE layers resident; CPU: ",
+                     ours.output())
     # llama-server's /metrics carries the provider's counters, under the names of expert-pack's own server
     # (expert_pack_cache_misses_total, ...: pack_counters reads them as bench-client does)
     assert m["cache_misses"] > 0 and m["pack_read_bytes"] > 0
@@ -125,7 +128,11 @@ def test_llama_server_refuses_a_bad_pack(packs, tmp_path):
     for args, needle in [
         (["-m", str(pack / "trunk.gguf"), "--expert-pack", str(tmp_path / "nowhere")], "nowhere"),
         (["-m", str(pack / "trunk.gguf"), "--expert-pack", str(other_pack)], "pack"),
-        (["-m", str(pack / "trunk.gguf")], "expert-pack trunk"),
+        (["-m", str(pack / "trunk.gguf")], "add --expert-pack PACK_DIR"),
+        (["-m", str(src), "--expert-pack", str(pack), "--expert-cache-mib", "-5"], "--expert-cache-mib"),
+        (["-m", str(src), "--expert-pack", str(pack), "--expert-ram-cache-mib", "lots"], "must be a size in MiB"),
+        (["-m", str(src), "--expert-pack", str(pack), "--expert-stats-file", str(tmp_path / "no" / "s.json")],
+         "--expert-stats-file"),
         (["-m", str(src), "--expert-pack", str(pack), "--expert-direct-io", "maybe"], "expert-direct-io"),
         (["-m", str(src), "--expert-pack", str(pack), "--expert-prefetch", "on"], "needs the host-RAM tier"),
         (["-m", str(src), "--expert-pack", str(pack), "--expert-ram-tier-mode", "lru"], "expert-ram-tier-mode"),
