@@ -147,8 +147,13 @@ def add_serve(sub) -> None:
                    help="context size in tokens (default 4096; 0 = the model's training context)")
     p.add_argument("-ngl", "--n-gpu-layers", type=_int_range(-1, note=" (-1 = all)"), default=-1, metavar="N",
                    help="layers offloaded to the GPU (-1 = all, the default; ignored on a CPU build)")
-    p.add_argument("-b", "--batch-size", type=_int_range(1), default=512, metavar="N",
-                   help="logical batch size for the prompt (default 512)")
+    p.add_argument("-b", "--batch-size", type=_int_range(1), default=None, metavar="N",
+                   help="logical batch size for the prompt (default 512; with --expert-pack and neither -b nor -ub "
+                        "given, both are sized for whole prompts: see -ub)")
+    p.add_argument("-ub", "--ubatch-size", type=_int_range(1), default=None, metavar="N",
+                   help="physical batch size (default 512; with --expert-pack and neither -b nor -ub given, the "
+                        "largest of min(-c, 8192), halved down to 512, whose buffers fit in memory: each ubatch reads "
+                        "nearly every expert, so a prompt in fewer ubatches reads the pack fewer times)")
     p.add_argument("-t", "--threads", type=_int_range(1), default=None, metavar="N",
                    help="CPU threads for generation (default: auto)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
@@ -321,8 +326,11 @@ class Plan:
 def load(args, plan: Plan | None = None):
     from llama_cpp import Llama
     plan = plan or Plan(args)
-    kw = dict(model_path=str(plan.model), n_ctx=args.ctx_size, n_batch=args.batch_size,
-              n_gpu_layers=args.n_gpu_layers, verbose=args.verbose)
+    kw = dict(model_path=str(plan.model), n_ctx=args.ctx_size, n_gpu_layers=args.n_gpu_layers, verbose=args.verbose)
+    if args.batch_size is not None:
+        kw["n_batch"] = args.batch_size
+    if args.ubatch_size is not None:
+        kw["n_ubatch"] = args.ubatch_size
     if args.threads:
         kw["n_threads"] = args.threads
     if plan.cfg is not None:
@@ -332,7 +340,8 @@ def load(args, plan: Plan | None = None):
     except (ValueError, RuntimeError) as e:
         msg = flag_terms(str(e))
         if "Failed to create llama_context" in msg:
-            msg += (f" (-c {args.ctx_size}, -b {args.batch_size}: too large for the memory there is? "
+            msg += (f" (-c {args.ctx_size}, -b {args.batch_size or 'auto'}, -ub {args.ubatch_size or 'auto'}: too "
+                    "large for the memory there is? "
                     "--verbose shows llama.cpp's log)")
         raise (ValueError if isinstance(e, ValueError) else RuntimeError)(msg) from None
 

@@ -95,6 +95,8 @@ def test_llama_server_with_pack_answers_like_stock(packs, tmp_path, arch):
     # one line at the default log level says how the cache was sized
     assert re.search(r"expert pack: 4 of 16 experts cached per MoE layer, 0 of \d+ MoE layers resident; CPU: ",
                      ours.output())
+    # with the default -b/-ub, the batch is sized for whole prompts (here the whole context)
+    assert f"expert pack: n_batch = n_ubatch = {N_CTX}" in ours.output()
     # llama-server's /metrics carries the provider's counters, under the names of expert-pack's own server
     # (expert_pack_cache_misses_total, ...: pack_counters reads them as bench-client does)
     assert m["cache_misses"] > 0 and m["pack_read_bytes"] > 0

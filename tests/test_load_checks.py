@@ -205,3 +205,42 @@ def test_ram_cache_auto(pack):
     assert rc == 0, err
     # on the CPU the cache itself is host memory: auto turns the tier off, and says so
     assert "no host-RAM tier (auto: off)" in json.loads(out)["summary"]
+
+
+def test_a_pack_sizes_the_batch_for_whole_prompts(pack):
+    """With a pack and no n_batch / n_ubatch given, both are sized for whole prompts (up to n_ctx and 8192), so a
+    prompt reads the pack once; given sizes are kept; without a pack llama-cpp-python's 512 stays."""
+    from llama_cpp import Llama
+    llm = Llama(model_path=str(pack[1] / "trunk.gguf"), expert_pack=str(pack[1]), n_ctx=2048, verbose=False)
+    try:
+        assert llm.n_batch == 2048 and llm.context_params.n_ubatch == 2048
+    finally:
+        llm.close()
+    llm = Llama(model_path=str(pack[1] / "trunk.gguf"), expert_pack=str(pack[1]), n_ctx=2048, n_ubatch=256,
+                verbose=False)
+    try:
+        assert llm.n_batch == 512 and llm.context_params.n_ubatch == 256
+    finally:
+        llm.close()
+    llm = Llama(model_path=str(pack[0]), n_ctx=2048, verbose=False)
+    try:
+        assert llm.n_batch == 512 and llm.context_params.n_ubatch == 512
+    finally:
+        llm.close()
+
+
+def test_prompt_logits_bit_identical_at_a_whole_prompt_ubatch(pack):
+    """A 700-token prompt in one ubatch of 1024 with an evicting cache (served in rounds): logits bit-identical to
+    stock's at the same ubatch."""
+    import numpy as np
+    from ggml_expert_pack.lossless import run
+    from ggml_expert_pack.pybind.provider import Provider
+    p = Provider.open(pack[1], cache_vram_mib=cache_mib_for_slots(pack[1], 9), cache_vram_reserve_mib=0,
+                      read_splits=4, read_threads=4)
+    try:
+        got = run(pack[1] / "trunk.gguf", p, n_ubatch=1024, prompt_len=700, n_decode=4, n_ctx=1024)
+    finally:
+        p.close()
+    ref = run(pack[0], None, n_ubatch=1024, prompt_len=700, n_decode=4, n_ctx=1024)
+    assert got.error == 0 and got.n_ubatch == 1024
+    assert got.tokens == ref.tokens and np.array_equal(got.logits, ref.logits)
