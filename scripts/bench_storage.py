@@ -82,6 +82,8 @@ def main() -> int:
     ap.add_argument("--copy-to", type=Path, default=Path("/dev/shm"), help="RAM-backed folder for the pack's copy")
     ap.add_argument("--disk-dir", type=Path, help="for `disk`: copy the pack into this folder (a real disk) first")
     ap.add_argument("--disk-configs", help="configurations for `disk` (default: --configs)")
+    ap.add_argument("--configs-for", action="append", default=[], metavar="STORAGE=LIST",
+                    help="configurations for one storage (e.g. 7=default,chunked-16x8); may be repeated")
     ap.add_argument("--storage", default="ram,12", help="comma-separated: disk, ram, or N (GB/s emulated)")
     ap.add_argument("--configs", default="default,no-checksum", help=f"comma-separated, of {', '.join(CONFIGS)}")
     ap.add_argument("--latency-us", type=float, default=80.0)
@@ -91,6 +93,10 @@ def main() -> int:
     ap.add_argument("--decode", type=int, default=64)
     ap.add_argument("--shape", default="30b-a3b")
     ap.add_argument("--no-stock", action="store_true", help="skip the stock and all-cached baselines")
+    ap.add_argument("--prefill-sweep", help="prompt lengths (e.g. 64,512,2892,8192): prefill of each from `ram` with "
+                    "--prefill-config at ubatch 512 and at ubatch = the prompt, against stock with every weight on the "
+                    "GPU at ubatch = the prompt; bytes read per prompt token and passes over the pack")
+    ap.add_argument("--prefill-config", default="default")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     from ggml_expert_pack.lossless import cache_mib_for_slots
@@ -145,7 +151,8 @@ def main() -> int:
     compute_s = res["all_cached"]["decode_step_ms"] / 1e3 if "all_cached" in res else None
 
     for storage in storages:
-        names = (args.disk_configs or args.configs) if storage == "disk" else args.configs
+        per = dict(x.split("=", 1) for x in args.configs_for)
+        names = per.get(storage) or ((args.disk_configs or args.configs) if storage == "disk" else args.configs)
         for name in names.split(","):
             cfg = dict(CONFIGS[name])
             env = os.environ.pop("EXPERT_PACK_TEST_STORAGE", None)
@@ -179,6 +186,47 @@ def main() -> int:
             print("      timeline per layer (ms):", {k: round(v, 3) for k, v in r["timeline_summary"].items()},
                   flush=True)
             (args.out / "storage.json").write_text(json.dumps(res, indent=1) + "\n")
+    if args.prefill_sweep:
+        from ggml_expert_pack.lossless import Session
+        data_bytes = m["pack"]["data_size"]
+        res["prefill"] = []
+        for n in (int(x) for x in args.prefill_sweep.split(",")):
+            prompt = (tokens * (n // len(tokens) + 1))[:n]
+            ubs = sorted({min(512, n), n}) if n <= 4096 else [n]  # ubatch 512 of a long prompt: many slow passes
+            rows = [("stock", None, n)] + [(args.prefill_config, args.prefill_config, ub) for ub in ubs]
+            for label, cfg_name, ub in rows:
+                p = None
+                if cfg_name is not None:
+                    p = Provider.open(ram_pack or args.pack, cache_vram_mib=cache_mib_for_slots(ram_pack or args.pack,
+                                      slots), cache_vram_reserve_mib=0, **CONFIGS[cfg_name])
+                try:
+                    sess = Session(args.model, p, n_ctx=n + 16, n_ubatch=ub)
+                    try:
+                        t0 = time.perf_counter()
+                        rc = sess.decode(prompt)
+                        dt = time.perf_counter() - t0
+                        st = p.stats() if p else {}
+                    finally:
+                        sess.close()
+                except Exception as e:  # noqa: BLE001 -- a size that does not fit is a result, not the end
+                    r = {"prompt_tokens": n, "system": label, "n_ubatch": ub, "error": str(e)}
+                    print(f"prefill {n:>5} {label:<18} ub {ub:>5}: {e}", flush=True)
+                    res["prefill"].append(r)
+                    continue
+                finally:
+                    if p:
+                        p.close()
+                r = {"prompt_tokens": n, "system": label, "n_ubatch": ub, "rc": rc, "seconds": dt,
+                     "prefill_tok_s": n / dt}
+                if st:
+                    r.update(pack_read_bytes=st["pack_read_bytes"], bytes_per_prompt_token=st["pack_read_bytes"] / n,
+                             passes_over_pack=st["pack_read_bytes"] / data_bytes, steps=st["steps"],
+                             cache_misses=st["cache_misses"])
+                res["prefill"].append(r)
+                print(f"prefill {n:>5} {label:<18} ub {ub:>5}: {r['prefill_tok_s']:8.1f} tok/s"
+                      + (f", {r['bytes_per_prompt_token'] / 1e6:.1f} MB/prompt token, "
+                         f"{r['passes_over_pack']:.2f} passes over the pack" if st else ""), flush=True)
+                (args.out / "storage.json").write_text(json.dumps(res, indent=1) + "\n")
     if "stock" in res:
         print(f"stock all-GPU: {res['stock']['decode_tok_s']:.1f} tok/s; every expert cached: "
               f"{res['all_cached']['decode_tok_s']:.1f} tok/s ({res['all_cached']['decode_step_ms']:.2f} ms/token)")
