@@ -207,6 +207,27 @@ def _kv(h: GGUFHeader, key: str, types: tuple, required: bool = False, array_len
     return kv.value
 
 
+def _check_tokens(h: GGUFHeader) -> None:
+    """Token strings are distinct (llama.cpp asserts it, after naming empty tokens [EMPTY_<id>])."""
+    kv = h.kvs.get("tokenizer.ggml.tokens")
+    if kv is None or kv.type != V.ARRAY or kv.elem_type != V.STRING:
+        return
+    raw = kv.raw
+    (klen,) = struct.unpack_from("<Q", raw, 0)
+    p = 8 + klen + 4 + 4
+    (n,) = struct.unpack_from("<Q", raw, p)
+    p += 8
+    seen: dict[bytes, int] = {}
+    for i in range(n):
+        (m,) = struct.unpack_from("<Q", raw, p)
+        word = raw[p + 8:p + 8 + m] or f"[EMPTY_{i}]".encode()
+        p += 8 + m
+        if word in seen:
+            raise SourceError(f"tokenizer.ggml.tokens: tokens {seen[word]} and {i} are both "
+                              f"{word.decode(errors='replace')!r} (llama.cpp aborts on a repeated token)")
+        seen[word] = i
+
+
 def check_hparams(h: GGUFHeader, n_experts: int, experts: dict[int, dict[str, tuple]],
                   tensor_names=()) -> None:
     """The hyperparameters llama.cpp asserts on or divides by, in range: a model it would refuse or abort on is
@@ -286,6 +307,7 @@ def check_hparams(h: GGUFHeader, n_experts: int, experts: dict[int, dict[str, tu
                           f"their epsilon)")
     for key in ("bos", "eos", "eot", "eom", "unknown", "seperator", "padding", "mask"):
         _kv(h, f"tokenizer.ggml.{key}_token_id", U32)  # llama.cpp reads token ids as uint32
+    _check_tokens(h)
     ff = _kv(h, f"{a}.expert_feed_forward_length", U32)
     latent = _kv(h, f"{a}.expert_latent_length", U32)
     widths = {n_embd} | ({latent} if latent else set())

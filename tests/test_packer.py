@@ -710,3 +710,17 @@ def test_cli_bad_input_is_one_line(tmp_path, capsys, monkeypatch, argv, match):
 def test_debug_shows_the_traceback(tmp_path):
     with pytest.raises(ValueError, match="no such directory"):
         cli(["--debug", "inspect", str(tmp_path / "nope")])
+
+
+def test_repeated_token_strings_are_refused(tmp_path):
+    """llama.cpp asserts that token strings are distinct (an empty one counts as [EMPTY_<id>]): the fuzz found a
+    flipped byte in a token that made two equal, and the loader aborted."""
+    from gguf import GGUFValueType
+    from ggml_expert_pack.gguf_stream import kv_arr
+    from ggml_expert_pack.packer.source import _check_tokens
+    for tokens, match in ((["a", "b", "a"], r"tokens 0 and 2 are both 'a'"), (["[EMPTY_1]", ""], r"tokens 0 and 1")):
+        p = _tiny_gguf(tmp_path / "v.gguf", [], extra_kvs=[kv_arr("tokenizer.ggml.tokens", GGUFValueType.STRING, tokens)])
+        with pytest.raises(SourceError, match=match):
+            _check_tokens(read_header(p))
+    p = _tiny_gguf(tmp_path / "v.gguf", [], extra_kvs=[kv_arr("tokenizer.ggml.tokens", GGUFValueType.STRING, ["a", ""])])
+    _check_tokens(read_header(p))
