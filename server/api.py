@@ -1,6 +1,7 @@
 """The HTTP API: OpenAI's /v1 endpoints and llama-server's own, over one Engine.
 
-Every error is an OpenAI-style body `{"error": {"message", "type", "param", "code"}}` with a 4xx/5xx status;
+Every error is an OpenAI-style body `{"error": {"message", "type", "param", "code"}}` with a 4xx/5xx status
+(but a missing or wrong API key's 401, which is llama-server's body word for word);
 a bad request never takes the server down: a body that is not UTF-8 JSON (415 for another Content-Type, 400 for
 bad bytes, bad syntax, nesting too deep to parse, or a lone UTF-16 surrogate, which no text can hold) is refused
 before any handler sees it. Streams are Server-Sent Events; a client that goes away is noticed
@@ -132,21 +133,58 @@ def _stop(body: dict) -> list[str]:
     raise RequestError("'stop' must be a string or a list of at most 16 strings", "stop")
 
 
-def _sampling(body: dict) -> dict:
-    return dict(temperature=float(_get(body, "temperature", (int, float), 1.0, lo=0, hi=2)),
-                top_p=float(_get(body, "top_p", (int, float), 1.0, lo=0, hi=1)),
-                top_k=int(_get(body, "top_k", int, 0, lo=0)),
-                seed=_get(body, "seed", int, None))
+# llama-server's defaults for what a request does not say (serve's -n, --seed, --temp, --top-k, --top-p, --min-p,
+# --repeat-penalty change them); n_predict and seed -1: unlimited (to the end of the context), random
+DEFAULTS = {"n_predict": -1, "seed": -1, "temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05,
+            "repeat_penalty": 1.0}
+PUBLIC = ("/health", "/v1/health", "/")  # what --api-key leaves open, as llama-server does
 
 
-def create_app(engine: Engine, *, model_path: str = "", stats=None, names: tuple[str, ...] = ()) -> Flask:
+def _sampling(body: dict, d: dict, temperature_hi: float | None = None) -> dict:
+    """The sampling fields of a request, each defaulting to the server's."""
+    penalty = float(_get(body, "repeat_penalty", (int, float), d["repeat_penalty"], lo=0))
+    if penalty <= 0:
+        raise RequestError(f"'repeat_penalty' must be > 0, got {body['repeat_penalty']}", "repeat_penalty")
+    seed = _get(body, "seed", int, d["seed"])
+    return dict(temperature=float(_get(body, "temperature", (int, float), d["temperature"], lo=0,
+                                          hi=temperature_hi if "temperature" in body else None)),
+                top_p=float(_get(body, "top_p", (int, float), d["top_p"], lo=0, hi=1)),
+                top_k=int(_get(body, "top_k", int, d["top_k"], lo=0)),
+                min_p=float(_get(body, "min_p", (int, float), d["min_p"], lo=0, hi=1)),
+                repeat_penalty=penalty, seed=None if seed < 0 else seed)
+
+
+def create_app(engine: Engine, *, model_path: str = "", stats=None, names: tuple[str, ...] = (),
+               defaults: dict | None = None, api_keys: tuple[str, ...] = (), webui: bool = True,
+               start_time: int | None = None) -> Flask:
     """`stats()` -> the expert-pack counters (dict), or None when no pack is used. Requests may name the model by its
-    alias, its file's name or path, or any of `names`."""
+    alias, its file's name or path, or any of `names`. `defaults` overrides DEFAULTS for requests that do not say;
+    with `api_keys`, every endpoint but PUBLIC's needs one of them (401 otherwise); `webui=False` drops the chat
+    page; every response carries `Process-Start-Time-Unix: start_time` (now, if not given)."""
     app = Flask(__name__, static_folder=None)
     app.config["JSON_SORT_KEYS"] = False
     app.config["engine"] = engine
-    started = int(time.time())
+    started = int(time.time()) if start_time is None else int(start_time)
     accepted = {engine.alias, Path(model_path).name, model_path, *names}
+    d = {**DEFAULTS, **(defaults or {})}
+    default_n = None if d["n_predict"] < 0 else d["n_predict"]
+
+    @app.before_request
+    def check_api_key():
+        if not api_keys or request.path in PUBLIC:
+            return None
+        key = request.headers.get("Authorization") or request.headers.get("X-Api-Key") or ""
+        key = key.removeprefix("Bearer ")
+        if key in api_keys:
+            return None
+        # llama-server's body, word for word
+        body = {"error": {"code": 401, "message": "Invalid API Key", "type": "authentication_error"}}
+        return Response(json.dumps(body), status=401, mimetype="application/json")
+
+    @app.after_request
+    def start_time_header(resp: Response) -> Response:
+        resp.headers["Process-Start-Time-Unix"] = str(started)
+        return resp
 
     def check_model(body: dict) -> None:
         name = _get(body, "model", str, None)
@@ -233,8 +271,8 @@ def create_app(engine: Engine, *, model_path: str = "", stats=None, names: tuple
         body = _body()
         check_model(body)
         prompt = prompt_tokens(body, one_string_list=True)
-        n = engine.check_budget(len(prompt), max_tokens_of(body, 16), "max_tokens")
-        kw = dict(_sampling(body), stop=_stop(body))
+        n = engine.check_budget(len(prompt), max_tokens_of(body, None), "max_tokens", default_n)
+        kw = dict(_sampling(body, d, 2), stop=_stop(body))
         stream = _get(body, "stream", bool, False)
         cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
 
@@ -284,8 +322,8 @@ def create_app(engine: Engine, *, model_path: str = "", stats=None, names: tuple
         if prompt and engine.llm.token_bos() >= 0 and engine.llm._model.add_bos_token() and \
                 prompt[0] != engine.llm.token_bos():
             prompt = [engine.llm.token_bos()] + prompt
-        n = engine.check_budget(len(prompt), max_tokens_of(body, None), "max_tokens")
-        kw = dict(_sampling(body), stop=_stop(body) + template_stop)
+        n = engine.check_budget(len(prompt), max_tokens_of(body, None), "max_tokens", default_n)
+        kw = dict(_sampling(body, d, 2), stop=_stop(body) + template_stop)
         stream = _get(body, "stream", bool, False)
         cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         r = Result()
@@ -320,13 +358,11 @@ def create_app(engine: Engine, *, model_path: str = "", stats=None, names: tuple
     def llama_completion():
         body = _body()
         prompt = prompt_tokens(body, one_string_list=False)
-        n_predict = _get(body, "n_predict", int, -1, lo=-1)
-        n = engine.check_budget(len(prompt), None if n_predict == -1 else n_predict, "n_predict")
-        kw = dict(temperature=float(_get(body, "temperature", (int, float), 0.8, lo=0)),
-                  top_p=float(_get(body, "top_p", (int, float), 0.95, lo=0, hi=1)),
-                  top_k=int(_get(body, "top_k", int, 40, lo=0)),
-                  seed=(lambda s: None if s is None or s < 0 else s)(_get(body, "seed", int, None)),
-                  stop=_stop(body), ignore_eos=_get(body, "ignore_eos", bool, False))
+        asked = _get(body, "n_predict", int, None, lo=-1)  # -1: to the end of the context; none: the server's -n
+        n = engine.check_budget(len(prompt), None if asked is None or asked == -1 else asked, "n_predict",
+                                default_n if asked is None else None)
+        n_predict = d["n_predict"] if asked is None else asked
+        kw = dict(_sampling(body, d), stop=_stop(body), ignore_eos=_get(body, "ignore_eos", bool, False))
         stream = _get(body, "stream", bool, False)
         r = Result()
         request.environ["expert_pack.usage"] = (len(prompt), r)
@@ -369,13 +405,14 @@ def create_app(engine: Engine, *, model_path: str = "", stats=None, names: tuple
         return {"content": engine.detokenize(tokens)}
 
     @app.get("/health")
+    @app.get("/v1/health")
     def health():
         return {"status": "ok"}
 
     @app.get("/props")
     def props():
-        return {"default_generation_settings": {"n_ctx": engine.n_ctx, "model": engine.alias},
-                "total_slots": 1, "model_path": model_path, "model_alias": engine.alias,
+        return {"default_generation_settings": {"n_ctx": engine.n_ctx, "model": engine.alias, "params": d},
+                "total_slots": 1, "is_sleeping": False, "model_path": model_path, "model_alias": engine.alias,
                 "chat_template": engine.llm.metadata.get("tokenizer.chat_template", ""),
                 "expert_pack": stats is not None and stats() is not None}
 
@@ -385,9 +422,10 @@ def create_app(engine: Engine, *, model_path: str = "", stats=None, names: tuple
                         mimetype="text/plain; version=0.0.4")
 
     # --- chat page -------------------------------------------------------------------------------------------
-    @app.get("/")
-    def index():
-        return Response((STATIC / "index.html").read_text(), mimetype="text/html")
+    if webui:
+        @app.get("/")
+        def index():
+            return Response((STATIC / "index.html").read_text(), mimetype="text/html")
 
     return app
 

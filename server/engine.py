@@ -146,8 +146,9 @@ class Engine:
         stop = r.stop if isinstance(r.stop, list) else ([r.stop] if r.stop else [])
         return r.prompt, stop
 
-    def check_budget(self, n_prompt: int, max_tokens: int | None, param: str) -> int:
-        """The number of tokens to generate: max_tokens, or the rest of the context when None."""
+    def check_budget(self, n_prompt: int, max_tokens: int | None, param: str, default: int | None = None) -> int:
+        """The number of tokens to generate: max_tokens; when None, the server's `default` (cut to the rest of the
+        context, as the request did not ask for it), or the rest of the context when that is None too."""
         room = self.n_ctx - n_prompt
         if n_prompt == 0:
             raise RequestError("the prompt is empty", "prompt")
@@ -156,7 +157,7 @@ class Engine:
                                "shorten it or start the server with a larger -c", "prompt",
                                code="context_length_exceeded")
         if max_tokens is None:
-            return room
+            return room if default is None else min(default, room)
         if max_tokens > room:
             raise RequestError(f"{param}={max_tokens} plus the prompt's {n_prompt} tokens exceeds the "
                                f"context of {self.n_ctx} tokens", param, code="context_length_exceeded")
@@ -164,8 +165,8 @@ class Engine:
 
     # ---------------------------------------------------------------------------------------------------
     def generate(self, prompt: list[int], max_tokens: int, result: Result, *, temperature: float = 0.8,
-                 top_p: float = 0.95, top_k: int = 40, seed: int | None = None, stop: list[str] | None = None,
-                 ignore_eos: bool = False, cancelled: Callable[[], bool] = lambda: False) -> Iterator[str]:
+                 top_p: float = 0.95, top_k: int = 40, min_p: float = 0.05, repeat_penalty: float = 1.0,
+                 seed: int | None = None, stop: list[str] | None = None, ignore_eos: bool = False, cancelled: Callable[[], bool] = lambda: False) -> Iterator[str]:
         """Yield text pieces; fill `result`. Waits for the lane first (in arrival order)."""
         client_gone = cancelled
 
@@ -176,8 +177,8 @@ class Engine:
             if cancelled():
                 raise Cancelled()
             self.busy = True
-            yield from self._generate_locked(prompt, max_tokens, result, temperature, top_p, top_k, seed, stop,
-                                             ignore_eos, cancelled)
+            yield from self._generate_locked(prompt, max_tokens, result, temperature, top_p, top_k, min_p,
+                                             repeat_penalty, seed, stop, ignore_eos, cancelled)
         except (Cancelled, GeneratorExit):  # GeneratorExit: the WSGI server closed the stream (client gone)
             with self._totals_lock:
                 self.totals.cancelled += 1
@@ -186,8 +187,8 @@ class Engine:
             self.busy = False
             self.lane.release()
 
-    def _generate_locked(self, prompt, max_tokens, result, temperature, top_p, top_k, seed, stop, ignore_eos,
-                         cancelled):
+    def _generate_locked(self, prompt, max_tokens, result, temperature, top_p, top_k, min_p, repeat_penalty, seed,
+                         stop, ignore_eos, cancelled):
         import llama_cpp
         llm = self.llm
         t = result.timings
@@ -212,7 +213,8 @@ class Engine:
         llama_cpp.llama_perf_context_reset(llm.ctx)
         t0 = time.perf_counter()
         stream = llm.create_completion(prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                                       top_k=top_k, seed=seed, stop=stop or [], stream=True,
+                                       top_k=top_k, min_p=min_p, repeat_penalty=repeat_penalty, seed=seed,
+                                       stop=stop or [], stream=True,
                                        logits_processor=llama_cpp.LogitsProcessorList([processor]))
         pieces = []
         try:

@@ -12,11 +12,14 @@ from __future__ import annotations
 import argparse
 import difflib
 import errno
+import functools
 import json
+import math
 import os
 import re
 import signal
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -59,6 +62,20 @@ def _int_range(lo: int, hi: int | None = None, note: str = ""):
     return conv
 
 
+def _float_range(lo: float, hi: float | None = None, above: bool = False):
+    def conv(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        if not math.isfinite(v) or (v <= lo if above else v < lo) or (hi is not None and v > hi):
+            want = f"> {lo:g}" if above else (f"in {lo:g}..{hi:g}" if hi is not None else f">= {lo:g}")
+            raise argparse.ArgumentTypeError(f"must be {want}, got {text}")
+        return v
+    conv.__name__ = "float"
+    return conv
+
+
 def _size(text: str) -> float | str:
     """A size flag's value: a plain number (MiB) as a float, anything else ("8G", "512M", "auto") as given, for the
     provider to parse (its error names the key, which is translated to the flag)."""
@@ -67,6 +84,29 @@ def _size(text: str) -> float | str:
         return float(s)
     except ValueError:
         return s
+
+
+@functools.lru_cache(maxsize=1)
+def llama_server_flags() -> frozenset[str]:
+    """The flag names of the fork's own llama-server (shipped beside this package), from its --help: the first
+    column of each option line, up to its value hint. Empty where the tool is not installed or does not answer;
+    only asked about a flag serve does not know."""
+    from ggml_expert_pack.tools import tool_path
+    try:
+        r = subprocess.run([str(tool_path("llama-server")), "--help"], capture_output=True, text=True, timeout=15,
+                           stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.SubprocessError):
+        return frozenset()
+    flags = set()
+    for line in r.stdout.splitlines():
+        if not line.startswith("-") or line.startswith("--- ") or line.startswith("-----"):
+            continue
+        for word in line.split():
+            word = word.rstrip(",")
+            if not re.fullmatch(r"--?[A-Za-z][\w.-]*", word):
+                break
+            flags.add(word)
+    return frozenset(flags)
 
 
 class _ServeParser(argparse.ArgumentParser):
@@ -82,6 +122,10 @@ class _ServeParser(argparse.ArgumentParser):
             flags = [e for e in extras if e.startswith("-") and len(e) > 1]
             if flags:
                 flag = flags[0].split("=", 1)[0]
+                if flag in llama_server_flags():
+                    print(f"{self.prog}: error: {flag} is a llama-server flag that {self.prog} does not implement",
+                          file=sys.stderr)
+                    sys.exit(2)
                 known = [o for a in self._actions for o in a.option_strings]
                 near = difflib.get_close_matches(flag, known, n=1, cutoff=0.6)
                 hint = f" (did you mean {near[0]}?)" if near else f" ({self.prog} --help lists them)"
@@ -104,7 +148,8 @@ def add_serve(sub) -> None:
                         "and a chat page at /. One generation runs at a time; others wait in arrival order. The port "
                         "is bound before the model loads; until it is loaded every request gets 503. Each request "
                         "is logged as one line on stderr. Ctrl-C or SIGTERM cancels the running generation, frees "
-                        "the model (writing the final --stats-file) and exits 0.",
+                        "the model (writing the final --stats-file) and exits 0. A llama-server flag that serve "
+                        "does not implement is refused, naming it.",
             epilog="Sizes (--cache-mib, --cache-reserve-mib, --ram-cache-mib) are MiB, or a number with a binary "
                    "unit: 512M, 8G, 1.5G; --ram-cache-mib also takes auto (sized by the provider at load).")
     finally:
@@ -162,6 +207,30 @@ def add_serve(sub) -> None:
                                    "(default: the model's general.name, else the pack folder's or file's name)")
     p.add_argument("--threads-http", type=_int_range(1), default=8, metavar="N",
                    help="HTTP worker threads; requests beyond the one generating wait in order (default 8)")
+    g = p.add_argument_group("request defaults (llama-server's; a request's own field wins)")
+    g.add_argument("-n", "--predict", "--n-predict", dest="n_predict", type=_int_range(-1, note=" (-1 = unlimited)"),
+                   default=-1, metavar="N",
+                   help="tokens to generate when a request gives no n_predict (/completion) or max_tokens (/v1/*) "
+                        "(default -1 = until end of generation or the context is full)")
+    g.add_argument("-s", "--seed", type=_int_range(-1, 2**32 - 1, " (-1 = random)"), default=-1, metavar="SEED",
+                   help="sampling seed (default -1 = random)")
+    g.add_argument("--temp", "--temperature", dest="temp", type=_float_range(0.0), default=0.8, metavar="F",
+                   help="temperature (default 0.8; 0 = greedy)")
+    g.add_argument("--top-k", type=_int_range(0, note=" (0 = off)"), default=40, metavar="N",
+                   help="top-k sampling (default 40, 0 = off)")
+    g.add_argument("--top-p", type=_float_range(0.0, 1.0), default=0.95, metavar="F",
+                   help="top-p sampling (default 0.95, 1.0 = off)")
+    g.add_argument("--min-p", type=_float_range(0.0, 1.0), default=0.05, metavar="F",
+                   help="min-p sampling (default 0.05, 0.0 = off)")
+    g.add_argument("--repeat-penalty", type=_float_range(0.0, above=True), default=1.0, metavar="F",
+                   help="repeat penalty (default 1.0 = off)")
+    p.add_argument("--api-key", metavar="KEY", default=os.environ.get("LLAMA_API_KEY"),
+                   help="require Authorization: Bearer KEY (or X-Api-Key: KEY) on every endpoint but /health and "
+                        "/; several keys as a comma-separated list (default: $LLAMA_API_KEY, else none)")
+    p.add_argument("--metrics", action="store_true",
+                   help="accepted for llama-server's command lines: /metrics is always served")
+    p.add_argument("--no-webui", "--no-ui", dest="webui", action="store_false",
+                   help="no chat page at / (it answers 404)")
     p.add_argument("--verbose", action="store_true", help="llama.cpp's own logging")
     p.set_defaults(func=cmd_serve)
 
@@ -346,12 +415,25 @@ def load(args, plan: Plan | None = None):
         raise (ValueError if isinstance(e, ValueError) else RuntimeError)(msg) from None
 
 
-def make_app(llm, model_path: str, alias: str | None = None, names: tuple[str, ...] = ()):
+def request_defaults(args) -> dict:
+    """What a request that does not say gets: llama-server's flags, under the engine's names."""
+    return {"n_predict": args.n_predict, "seed": args.seed, "temperature": args.temp, "top_k": args.top_k,
+            "top_p": args.top_p, "min_p": args.min_p, "repeat_penalty": args.repeat_penalty}
+
+
+def api_keys(args) -> tuple[str, ...]:
+    """--api-key's comma-separated keys (empty ones dropped, as llama-server does)."""
+    return tuple(k.strip() for k in (args.api_key or "").split(",") if k.strip())
+
+
+def make_app(llm, model_path: str, alias: str | None = None, names: tuple[str, ...] = (), args=None,
+             start_time: int | None = None):
     from .api import create_app
     from .engine import Engine
     engine = Engine(llm, alias or Path(model_path).name)
     stats = (lambda: llm.expert_pack_stats()) if getattr(llm, "_expert_pack", None) is not None else None
-    return create_app(engine, model_path=model_path, stats=stats, names=names)
+    extra = {} if args is None else dict(defaults=request_defaults(args), api_keys=api_keys(args), webui=args.webui)
+    return create_app(engine, model_path=model_path, stats=stats, names=names, start_time=start_time, **extra)
 
 
 def _log(line: str) -> None:
@@ -369,6 +451,7 @@ class Gate:
         self.stopping = False
         self.inflight = 0
         self.cv = threading.Condition()
+        self.start_time = int(time.time())  # every response's Process-Start-Time-Unix
 
     def __call__(self, environ, start_response):
         t0 = time.perf_counter()
@@ -385,7 +468,8 @@ class Gate:
             message = "Shutting down" if self.stopping else "Loading model"
             body = json.dumps({"error": {"code": 503, "message": message, "type": "unavailable_error"}}).encode()
             sr("503 Service Unavailable", [("Content-Type", "application/json"), ("Content-Length", str(len(body))),
-                                           ("Retry-After", "1")])
+                                           ("Retry-After", "1"),
+                                           ("Process-Start-Time-Unix", str(self.start_time))])
             self._log(environ, seen, t0)
             return [body]
         done = threading.Lock()
@@ -524,7 +608,7 @@ def cmd_serve(args) -> int:
         raise RuntimeError(f"loading failed: {type(e).__name__}: {e}")
     llm = loaded["llm"]
     names = tuple(n for n in (plan.model.name, str(plan.model), plan.pack.name if plan.pack else None) if n)
-    app = make_app(llm, str(plan.model), plan.alias, names)
+    app = make_app(llm, str(plan.model), plan.alias, names, args=args, start_time=gate.start_time)
     with gate.cv:
         gate.engine = app.config["engine"]
         gate.app = app

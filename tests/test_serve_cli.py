@@ -48,7 +48,16 @@ def refused(capsys, argv: list[str]) -> str:
     (["-m", "x.gguf", "-t", "0"], ["--threads", ">= 1"]),
     (["-m", "x.gguf", "--port", "http"], ["--port", "not an integer"]),
     (["-m", "x.gguf", "--direct-io", "of"], ["--direct-io", "invalid choice"]),
-], ids=["port-high", "port-zero", "threads-http", "ctx", "batch", "ngl", "threads", "port-text", "choice"])
+    (["-m", "x.gguf", "-n", "-2"], ["--n-predict", ">= -1", "-1 = unlimited"]),
+    (["-m", "x.gguf", "--seed", "-5"], ["--seed", "-1 = random"]),
+    (["-m", "x.gguf", "--temp", "-0.5"], ["--temp", ">= 0"]),
+    (["-m", "x.gguf", "--temp", "warm"], ["--temp", "not a number"]),
+    (["-m", "x.gguf", "--top-k", "-1"], ["--top-k", ">= 0"]),
+    (["-m", "x.gguf", "--top-p", "1.5"], ["--top-p", "0..1"]),
+    (["-m", "x.gguf", "--min-p", "nan"], ["--min-p", "0..1"]),
+    (["-m", "x.gguf", "--repeat-penalty", "0"], ["--repeat-penalty", "> 0"]),
+], ids=["port-high", "port-zero", "threads-http", "ctx", "batch", "ngl", "threads", "port-text", "choice",
+        "n-predict", "seed", "temp", "temp-text", "top-k", "top-p", "min-p", "repeat-penalty"])
 def test_flag_ranges_are_checked_up_front(capsys, argv, words):
     err = refused(capsys, argv)
     for w in words:
@@ -61,6 +70,45 @@ def test_flag_ranges_are_checked_up_front(capsys, argv, words):
 def test_unknown_flag_gets_a_suggestion(capsys, typo, meant):
     err = refused(capsys, ["-m", "x.gguf", typo, "5"] if "=" not in typo else ["-m", "x.gguf", typo])
     assert f"unrecognized argument {typo.split('=')[0]} (did you mean {meant}?)" in err, err
+
+
+def test_llama_server_request_defaults_and_their_spellings(monkeypatch):
+    from ggml_expert_pack.server.main import api_keys, request_defaults
+    monkeypatch.delenv("LLAMA_API_KEY", raising=False)
+    args = build_parser().parse_args(["serve", "-m", "m.gguf"])
+    assert request_defaults(args) == {"n_predict": -1, "seed": -1, "temperature": 0.8, "top_k": 40, "top_p": 0.95,
+                                      "min_p": 0.05, "repeat_penalty": 1.0}  # llama-server's own
+    assert api_keys(args) == () and args.webui is True and args.metrics is False
+    args = build_parser().parse_args(["serve", "-m", "m.gguf", "--predict", "7", "-s", "9", "--temperature", "0.2",
+                                      "--metrics", "--no-ui", "--api-key", "a, b,,"])
+    assert (args.n_predict, args.seed, args.temp, args.metrics, args.webui) == (7, 9, 0.2, True, False)
+    assert api_keys(args) == ("a", "b")
+    assert build_parser().parse_args(["serve", "-m", "m.gguf", "--n-predict", "3"]).n_predict == 3
+    monkeypatch.setenv("LLAMA_API_KEY", "from-env")  # llama-server's variable
+    assert api_keys(build_parser().parse_args(["serve", "-m", "m.gguf"])) == ("from-env",)
+    assert api_keys(build_parser().parse_args(["serve", "-m", "m.gguf", "--api-key", "flag"])) == ("flag",)
+
+
+@pytest.mark.parametrize("flag", ["--parallel", "-fa", "--cont-batching", "--ctx-checkpoints=3", "--jinja"])
+def test_llama_server_flag_serve_lacks_is_named(capsys, flag):
+    from ggml_expert_pack.server.main import llama_server_flags
+    from ggml_expert_pack.tools import tool_path
+    try:
+        tool_path("llama-server")
+    except FileNotFoundError:
+        pytest.skip("this install was built without the fork's llama-server")
+    assert {"--ctx-size", "-n", "--n-predict", "--api-key", "--no-webui"} <= llama_server_flags()
+    err = refused(capsys, ["-m", "x.gguf", flag, "2"] if "=" not in flag else ["-m", "x.gguf", flag])
+    name = flag.split("=")[0]
+    assert err == f"expert-pack serve: error: {name} is a llama-server flag that expert-pack serve does not " \
+                  "implement", err
+
+
+def test_without_llama_server_an_unknown_flag_is_argparses(capsys, monkeypatch):
+    from ggml_expert_pack.server import main as serve_main
+    monkeypatch.setattr(serve_main, "llama_server_flags", lambda: frozenset())
+    err = refused(capsys, ["-m", "x.gguf", "--parallel", "2"])
+    assert "unrecognized argument --parallel" in err, err
 
 
 def test_unknown_flag_without_a_near_one(capsys):
@@ -182,6 +230,14 @@ def test_gate_answers_503_while_loading():
     body = b"".join(Gate()({"PATH_INFO": "/health", "REQUEST_METHOD": "GET"}, lambda s, h, e=None: seen.append(s)))
     assert seen == ["503 Service Unavailable"]
     assert json.loads(body)["error"]["message"] == "Loading model"
+
+
+def test_gate_503_carries_the_start_time_header():
+    from ggml_expert_pack.server.main import Gate
+    gate = Gate()
+    seen = []
+    b"".join(gate({"PATH_INFO": "/props", "REQUEST_METHOD": "GET"}, lambda s, h, e=None: seen.append(dict(h))))
+    assert seen[0]["Process-Start-Time-Unix"] == str(gate.start_time)
 
 
 # --- start-up and stop, in a subprocess -----------------------------------------------------------------------

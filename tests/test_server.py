@@ -478,3 +478,126 @@ def test_bench_client_budget_and_dead_server(tmp_path):
     assert rep.completed == 0 and all(r.error for r in rep.results) and rep.summary == {}
     rep = run("http://127.0.0.1:9", "none", budget_s=0, log=lambda m: None)
     assert rep.skipped == 10 and not rep.results
+
+
+# --- llama-server's flags: request defaults, --api-key, --no-webui; /props and the start-time header ----------
+
+KEY = "s3cret"
+
+
+@pytest.fixture(scope="module")
+def flagged(packs, tmp_path_factory):
+    """A server started with llama-server's request-default and access flags."""
+    pack = packs("qwen3moe")[1]
+    port = free_port()
+    log = open(tmp_path_factory.mktemp("flagged") / "server.log", "w+")
+    cmd = [sys.executable, "-m", "ggml_expert_pack.cli", "serve", str(pack), "-c", str(N_CTX), "--port", str(port),
+           "-t", "2", "-n", "5", "--seed", "3", "--temp", "0", "--top-k", "7", "--top-p", "0.5", "--min-p", "0.1",
+           "--repeat-penalty", "1.1", "--api-key", f"{KEY},other", "--metrics", "--no-webui"]
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+    base = f"http://127.0.0.1:{port}"
+    if not wait_healthy(base, proc, 120):  # /health needs no key
+        log.seek(0)
+        proc.kill()
+        pytest.fail(f"server did not start:\n{log.read()}")
+    yield base
+    proc.terminate()
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+def call(base, path, body=None, headers=None) -> tuple[int, dict, dict]:
+    """(status, JSON body, headers) of a GET (body None) or POST."""
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(base + path, data=data, headers={"Content-Type": "application/json",
+                                                                  **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            raw, status, h = r.read(), r.status, dict(r.headers)
+    except urllib.error.HTTPError as e:
+        raw, status, h = e.read(), e.code, dict(e.headers)
+    try:
+        return status, json.loads(raw), h
+    except ValueError:
+        return status, {"text": raw.decode()}, h
+
+
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+def test_api_key_is_required_but_on_health(flagged):
+    want = {"error": {"code": 401, "message": "Invalid API Key", "type": "authentication_error"}}
+    for path, body in (("/completion", {"prompt": "x", "n_predict": 1}), ("/v1/models", None), ("/props", None),
+                       ("/metrics", None), ("/tokenize", {"content": "x"}), ("/v2/nothing", None)):
+        for headers in (None, {"Authorization": "Bearer wrong"}, {"X-Api-Key": "wrong"}, {"Authorization": KEY + "x"}):
+            status, r, _ = call(flagged, path, body, headers)
+            assert (status, r) == (401, want), (path, headers, status, r)
+    assert call(flagged, "/health")[:2] == (200, {"status": "ok"})
+    assert call(flagged, "/v1/health")[:2] == (200, {"status": "ok"})
+    assert call(flagged, "/v1/models", headers=AUTH)[0] == 200
+    assert call(flagged, "/v1/models", headers={"Authorization": "Bearer other"})[0] == 200  # a list of keys
+    assert call(flagged, "/v1/models", headers={"X-Api-Key": KEY})[0] == 200
+    assert call(flagged, "/v1/models", headers={"Authorization": KEY})[0] == 200  # "Bearer " is optional
+    import openai
+    assert [m.id for m in openai.OpenAI(base_url=flagged + "/v1", api_key=KEY, max_retries=0).models.list()]
+    with pytest.raises(openai.AuthenticationError):
+        client(flagged).models.list()
+
+
+def test_n_predict_flag_is_the_default_length(flagged):
+    status, r, _ = call(flagged, "/completion", {"prompt": "Hello world", "ignore_eos": True}, AUTH)
+    assert status == 200 and r["tokens_predicted"] == 5 and r["stopped_limit"], r
+    assert r["generation_settings"]["n_predict"] == 5
+    status, r, _ = call(flagged, "/completion", {"prompt": "Hello world", "ignore_eos": True, "n_predict": 3}, AUTH)
+    assert r["tokens_predicted"] == 3 and r["generation_settings"]["n_predict"] == 3  # the request's own wins
+    status, r, _ = call(flagged, "/v1/completions", {"prompt": "Hello world"}, AUTH)
+    assert status == 200 and r["usage"]["completion_tokens"] <= 5, r
+    status, r, _ = call(flagged, "/v1/completions", {"prompt": "Hello world", "max_tokens": 2}, AUTH)
+    assert r["usage"]["completion_tokens"] == 2
+    status, r, _ = call(flagged, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, AUTH)
+    assert status == 200 and r["usage"]["completion_tokens"] <= 5, r
+
+
+def test_sampling_flags_are_the_request_defaults(flagged):
+    status, r, _ = call(flagged, "/completion", {"prompt": "Hello world", "n_predict": 1}, AUTH)
+    g = r["generation_settings"]
+    assert (g["temperature"], g["top_k"], g["top_p"], g["min_p"], g["repeat_penalty"], g["seed"]) == \
+        (0.0, 7, 0.5, 0.1, 1.1, 3), g
+    status, r, _ = call(flagged, "/completion", {"prompt": "Hello world", "n_predict": 1, "temperature": 0.7,
+                                                  "top_k": 2, "top_p": 0.9, "min_p": 0.0, "repeat_penalty": 1.0,
+                                                  "seed": -1}, AUTH)
+    g = r["generation_settings"]
+    assert (g["temperature"], g["top_k"], g["top_p"], g["min_p"], g["repeat_penalty"], g["seed"]) == \
+        (0.7, 2, 0.9, 0.0, 1.0, None), g  # the request's own win; seed -1 = random
+    status, r, _ = call(flagged, "/props", headers=AUTH)
+    assert r["default_generation_settings"]["params"] == {"n_predict": 5, "seed": 3, "temperature": 0.0,
+                                                          "top_k": 7, "top_p": 0.5, "min_p": 0.1,
+                                                          "repeat_penalty": 1.1}
+    status, r, _ = call(flagged, "/completion", {"prompt": "x", "repeat_penalty": 0}, AUTH)
+    assert status == 400 and "'repeat_penalty' must be > 0" in r["error"]["message"], r
+
+
+def test_no_webui(flagged, server):
+    assert call(flagged, "/")[0] == 404  # / is open, as llama-server's; without the page there is nothing
+    with urllib.request.urlopen(server + "/", timeout=30) as r:
+        assert r.status == 200 and r.headers["Content-Type"].startswith("text/html")
+
+
+def test_props_slots_and_the_start_time_header(server):
+    status, props, h = call(server, "/props")
+    assert props["total_slots"] == 1 and props["is_sleeping"] is False
+    assert props["default_generation_settings"]["params"] == {"n_predict": -1, "seed": -1, "temperature": 0.8,
+                                                              "top_k": 40, "top_p": 0.95, "min_p": 0.05,
+                                                              "repeat_penalty": 1.0}  # llama-server's
+    start = h["Process-Start-Time-Unix"]
+    assert start.isdigit() and int(start) <= time.time()
+    for path, body in (("/health", None), ("/metrics", None), ("/v2/nothing", None),
+                       ("/completion", {"prompt": 5})):
+        assert call(server, path, body)[2]["Process-Start-Time-Unix"] == start, path
+
+
+def test_flagged_start_time_header_on_a_refusal(flagged):
+    status, _, h = call(flagged, "/props")
+    assert status == 401 and h["Process-Start-Time-Unix"].isdigit()
