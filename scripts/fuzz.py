@@ -105,7 +105,7 @@ class Result:
     def repro(self) -> str:
         cmd = f"python scripts/fuzz.py --class {self.cls} --seed {self.seed} --only {self.index} --keep"
         if self.kept and self.cls != "http":
-            d = self.kept
+            d = self.kept + ("/pack" if self.cls == "source" else "")
             cmd += (f"   # or: python -c \"from llama_cpp import Llama; Llama(model_path='{d}/trunk.gguf', "
                     f"expert_pack='{d}', verbose=False)('{PROMPT}', max_tokens={N_TOKENS})\"")
         return cmd
