@@ -58,3 +58,28 @@ def model_path_error(path: str | os.PathLike, pack_given: bool, pack_hint: str =
         return (f"{p} is an expert-pack trunk (its routed experts are in the pack): pass the pack folder "
                 f"({pack_hint})")
     return None
+
+
+def check_pack_and_model(model_path: str | os.PathLike, config: dict) -> None:
+    """Before llama.cpp opens anything: the pack as `expert-pack verify --quick` checks it (structure, identities,
+    the trunk's header, tensor types and hyperparameters), and a model file that is not the pack's trunk (the
+    original GGUF) as `expert-pack build` checks a source. What llama.cpp would assert or crash on, or silently
+    compute wrongly with, is a ValueError naming the cause. `config`: the provider configuration (normalized)."""
+    from .packer.source import SourceError, open_source
+    from .packer.verify import VerifyError, verify
+    manifest = Path(config.get("manifest_path", ""))
+    pack_dir = manifest.parent
+    try:
+        verify(pack_dir, quick=True, progress=False)
+    except VerifyError as e:
+        raise ValueError(f"expert pack {pack_dir}: {e}") from None
+    model = Path(model_path)
+    try:
+        is_trunk = model.resolve() == (pack_dir / "trunk.gguf").resolve()
+    except OSError:
+        is_trunk = False
+    if not is_trunk:
+        try:
+            open_source(model)
+        except SourceError as e:
+            raise ValueError(f"{model}: {e}") from None

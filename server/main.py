@@ -30,9 +30,12 @@ KEY_FLAGS = {"cache_vram_mib": "--cache-mib", "cache_vram_reserve_mib": "--cache
              "ram_cache_mib": "--ram-cache-mib", "stage_slots": "--stage-slots", "read_splits": "--read-splits",
              "read_threads": "--read-threads", "direct_io": "--direct-io", "ram_tier_mode": "--ram-tier-mode",
              "prefetch": "--prefetch", "stats_path": "--stats-file", "pack_dir": "--expert-pack",
-             "pack_path": "--expert-pack", "manifest_path": "--expert-pack"}
+             "pack_path": "--expert-pack", "manifest_path": "--expert-pack",
+             "stats_flush_interval": "--stats-interval", "verify_pack_sha256": "--verify-checksums",
+             "trace_path": "--trace-file"}
 PACK_FLAGS = ("cache_mib", "cache_reserve_mib", "ram_cache_mib", "stage_slots", "read_splits", "read_threads",
-              "direct_io", "ram_tier_mode", "prefetch", "stats_file")
+              "direct_io", "ram_tier_mode", "prefetch", "stats_file", "stats_interval", "verify_checksums",
+              "trace_file")
 STOP_WAIT_S = 10.0       # how long a stop waits for requests in flight before leaving without freeing the model
 MAX_BODY = 64 << 20      # request bodies beyond this get waitress's 413 (a context's worth of JSON is far smaller)
 
@@ -187,6 +190,12 @@ def add_serve(sub) -> None:
                         "while the GPU computes (needs --ram-cache-mib; default off)")
     g.add_argument("--stats-file", "--expert-stats-file", dest="stats_file", metavar="PATH",
                    help="write the expert-pack counters to this JSON file (its folder must exist)")
+    g.add_argument("--stats-interval", "--expert-stats-interval", dest="stats_interval", type=_int_range(1),
+                   metavar="N", help="write the stats file every N steps (default 64) and at exit")
+    g.add_argument("--verify-checksums", "--expert-verify-checksums", dest="verify_checksums", choices=("on", "off"),
+                   help="check every expert block's XXH3-128 as it is read (default on)")
+    g.add_argument("--trace-file", "--expert-trace-file", dest="trace_file", metavar="PATH",
+                   help="record the router's expert ids of every step and layer (docs/FORMAT.md, routing traces)")
     p.add_argument("-c", "--ctx-size", type=_int_range(0, note=" (0 = the model's training context)"), default=4096,
                    metavar="N",
                    help="context size in tokens (default 4096; 0 = the model's training context)")
@@ -331,7 +340,8 @@ def pack_config(args) -> dict | None:
                       ("ram_cache_mib", "ram_cache_mib"),
                       ("stage_slots", "stage_slots"), ("read_splits", "read_splits"),
                       ("read_threads", "read_threads"), ("ram_tier_mode", "ram_tier_mode"),
-                      ("stats_file", "stats_path")):
+                      ("stats_file", "stats_path"), ("stats_interval", "stats_flush_interval"),
+                      ("trace_file", "trace_path")):
         v = getattr(args, flag)
         if v is not None:
             cfg[key] = v
@@ -339,6 +349,8 @@ def pack_config(args) -> dict | None:
         cfg["direct_io"] = args.direct_io == "on"
     if args.prefetch is not None:
         cfg["prefetch"] = args.prefetch == "on"
+    if args.verify_checksums is not None:
+        cfg["verify_pack_sha256"] = args.verify_checksums == "on"
     return cfg
 
 
@@ -612,6 +624,9 @@ def cmd_serve(args) -> int:
     with gate.cv:
         gate.engine = app.config["engine"]
         gate.app = app
+    if getattr(llm, "_expert_pack", None) is not None:  # how the cache was sized, and the batch for prompts
+        _log(f"expert-pack serve: {llm._expert_pack.summary}; n_batch {llm.n_batch}, "
+             f"n_ubatch {llm.context_params.n_ubatch}")
     _log(f"expert-pack serve: serving '{plan.alias}' ({what}) on {url} "
          f"(loaded in {time.perf_counter() - t0:.1f} s; Ctrl-C stops)")
     while not signals:

@@ -31,15 +31,18 @@ def _copy(pack_dir, tmp_path):
 
 
 def _load(model, pack_dir, **cfg):
-    """Load in a child process (a crash is a failed test, not the end of the run); (returncode, stderr, stdout)."""
+    """Load through the C library's own checks (the provider and llama.cpp's loader, as the fork's tools do; the
+    Python API checks the pack as `verify --quick` does before that) in a child process, so that a crash is a failed
+    test, not the end of the run; (returncode, stderr, stdout)."""
     code = textwrap.dedent(f"""
         import json, sys
-        from llama_cpp import Llama
+        from ggml_expert_pack.lossless import Session
+        from ggml_expert_pack.pybind.provider import Provider
         try:
-            llm = Llama(model_path={str(model)!r}, expert_pack={json.dumps({"pack_dir": str(pack_dir), **cfg})},
-                        n_ctx=128, n_threads=2, verbose=False)
-            out = llm("Hello", max_tokens=4, temperature=0)["choices"][0]["text"]
-            print(json.dumps({{"text": out, "stats": llm.expert_pack_stats(), "summary": llm._expert_pack.summary}}))
+            p = Provider.open({str(pack_dir)!r}, **{cfg!r})
+            s = Session({str(model)!r}, p, n_ctx=128, n_gpu_layers=0, n_threads=2)
+            toks, rc = s.generate([100, 101, 102], 4)
+            print(json.dumps({{"tokens": toks, "rc": rc, "stats": p.stats(), "summary": p.summary}}))
         except (ValueError, RuntimeError) as e:
             print("ERROR:", e, file=sys.stderr)
             sys.exit(3)
@@ -112,6 +115,14 @@ def test_a_damaged_trunk_is_a_clear_error_not_an_assertion(pack, tmp_path, key, 
     _patch_kv(d / "trunk.gguf", key, fmt, value)
     rc, err, _ = _load(d / "trunk.gguf", d)
     assert rc == 3 and words in err, err
+
+
+def test_the_python_api_checks_the_pack_as_verify_quick_does(pack, tmp_path):
+    from llama_cpp import Llama
+    d = _copy(pack[1], tmp_path)
+    _patch_kv(d / "trunk.gguf", "qwen3moe.rope.freq_base", "<f", 0.0)
+    with pytest.raises(ValueError, match="expert pack .*trunk.gguf"):
+        Llama(model_path=str(d / "trunk.gguf"), expert_pack=str(d), verbose=False)
 
 
 def test_an_epsilon_out_of_range_in_a_source_gguf_is_refused(pack, tmp_path):

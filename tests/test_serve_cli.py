@@ -23,8 +23,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def refused(capsys, argv: list[str]) -> str:
     """Run `expert-pack serve ARGV` in-process; it must refuse with exit 2 and exactly one line on stderr."""
-    try:
-        code = main(["serve", *argv])
+    from ggml_expert_pack.bench_client import free_port
+    try:  # a free port first (a later --port in argv wins): a refusal must not depend on 8080 being free
+        code = main(["serve", "--port", str(free_port()), *argv])
     except SystemExit as e:  # argparse's own refusals
         code = e.code
     out = capsys.readouterr()
@@ -287,6 +288,9 @@ def test_pack_folder_served_under_general_name_logs_requests_and_stops_on_signal
                          r"completion_tokens=3$", text, re.M), text
         assert re.search(r"^request: GET /v1/models 127\.0\.0\.1 200 [\d.]+ ms$", text, re.M), text
         assert f"{sig.name}: stopped" in text and "Traceback" not in text, text
+        # one line at start says how the cache was sized and the batch chosen for prompts
+        assert re.search(r"^expert-pack serve: expert pack: \d+ of 16 experts cached per MoE layer, .*; "
+                         r"n_batch 256, n_ubatch 256$", text, re.M), text
         # nothing lost: the final counters were written when the model was freed (the periodic flush is every 64
         # steps; this generation took fewer)
         assert json.loads(stats.read_text())["steps"] > 0
