@@ -108,6 +108,7 @@ def test_an_oversized_manifest_is_refused_without_reading_it(pack, tmp_path):
 @pytest.mark.parametrize("key,fmt,value,words", [
     ("qwen3moe.expert_count", "<I", 0, "expert_count"),
     ("qwen3moe.attention.layer_norm_rms_epsilon", "<f", -math.inf, "layer_norm_rms_epsilon is -inf"),
+    ("qwen3moe.block_count", "<I", 0, "block_count is 0 (must be 1..512)"),
     ("qwen3moe.rope.freq_base", "<f", 1.0, "modified after the build"),  # valid alone: the checksum catches it
 ])
 def test_a_damaged_trunk_is_a_clear_error_not_an_assertion(pack, tmp_path, key, fmt, value, words):

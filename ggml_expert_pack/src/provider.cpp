@@ -1205,11 +1205,16 @@ static void check_hparams(const gguf_context * g, const manifest & m, const char
         throw std::runtime_error(file + ": " + arch + ".expert_count is " + (n_expert < 0 ? "missing" : std::to_string(n_expert)) +
                                  ", the pack has " + std::to_string(m.n_experts) + " experts per layer");
     }
-    if (get_u(arch + ".expert_used_count", n_used) && (n_used < 1 || n_used > n_expert)) {
-        throw std::runtime_error(file + ": " + arch + ".expert_used_count is " + std::to_string(n_used) +
-                                 " (must be 1.." + std::to_string(n_expert) + ")");
+    if (!get_u(arch + ".expert_used_count", n_used) || n_used < 1 || n_used > n_expert) {
+        throw std::runtime_error(file + ": " + arch + ".expert_used_count is " +
+                                 (n_used < 0 ? std::string("missing") : std::to_string(n_used)) + " (must be 1.." +
+                                 std::to_string(n_expert) + ")");
     }
-    if (get_u(arch + ".block_count", n_layer)) {
+    if (!get_u(arch + ".block_count", n_layer) || n_layer < 1 || n_layer > 512) {  // llama.cpp's LLAMA_MAX_LAYERS
+        throw std::runtime_error(file + ": " + arch + ".block_count is " +
+                                 (n_layer < 0 ? std::string("missing") : std::to_string(n_layer)) + " (must be 1..512)");
+    }
+    {
         for (const auto & l : m.layers) {
             if (l.layer >= n_layer) {
                 throw std::runtime_error(file + ": " + arch + ".block_count is " + std::to_string(n_layer) +
