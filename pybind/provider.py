@@ -94,13 +94,18 @@ class Provider:
         if self._h is None:
             raise RuntimeError("expert pack provider is closed")
 
+    def _text(self, fn) -> str:
+        """A string from a C function that writes it into a buffer and returns its length (the length needed when
+        the buffer is too small): expert_pack_stats_json, expert_pack_summary, expert_pack_timeline_json."""
+        self._check()
+        n = fn(self._h, ffi().NULL, 0)
+        buf = ffi().new("char[]", n + 1)
+        fn(self._h, buf, n + 1)
+        return ffi().string(buf).decode()
+
     def stats(self) -> dict:
         """The counters, plus derived figures and the cache geometry (what the stats file holds)."""
-        self._check()
-        n = lib().expert_pack_stats_json(self._h, ffi().NULL, 0)
-        buf = ffi().new("char[]", n + 1)
-        lib().expert_pack_stats_json(self._h, buf, n + 1)
-        return json.loads(ffi().string(buf).decode())
+        return json.loads(self._text(lib().expert_pack_stats_json))
 
     def counters(self) -> dict:
         self._check()
@@ -129,19 +134,11 @@ class Provider:
     @property
     def summary(self) -> str:
         """One line saying how the cache was sized ("" before a model is loaded with the provider)."""
-        self._check()
-        n = lib().expert_pack_summary(self._h, ffi().NULL, 0)
-        buf = ffi().new("char[]", n + 1)
-        lib().expert_pack_summary(self._h, buf, n + 1)
-        return ffi().string(buf).decode()
+        return self._text(lib().expert_pack_summary)
 
     def timeline(self) -> dict:
         """The per-layer timeline of the last complete step (src/timeline.h): microseconds from its first acquire."""
-        self._check()
-        n = lib().expert_pack_timeline_json(self._h, ffi().NULL, 0)
-        buf = ffi().new("char[]", n + 1)
-        lib().expert_pack_timeline_json(self._h, buf, n + 1)
-        return json.loads(ffi().string(buf).decode())
+        return json.loads(self._text(lib().expert_pack_timeline_json))
 
     @property
     def max_ubatch(self) -> int:

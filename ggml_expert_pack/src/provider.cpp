@@ -238,6 +238,8 @@ struct expert_pack_provider {
     std::exception_ptr wait_prefetch(int32_t b);
     void spill(expert_pack_layer * L, size_t g, size_t n, const std::vector<size_t> & miss);
     void load_via_staging(miss_load & m);
+    template <class Submit, class OnDone>
+    void stage_loop(miss_load & m, std::vector<size_t> & buf_of, const Submit & submit, const OnDone & on_done);
     void load_via_ram_tier(miss_load & m);
     bool order_step(expert_pack_layer * L, const ggml_tensor * ids);
     void map_round_slots(const expert_pack_layer * L, const std::vector<int32_t> & unique, const ggml_tensor * ids,
@@ -620,7 +622,6 @@ void expert_pack_provider::settle_prefetches() {
 void expert_pack_provider::load_via_staging(miss_load & m) {
     expert_pack_layer * L = m.L;
     const layer_layout & lay = m.lay;
-    const size_t nb = L->stage->n_buffers();
     std::vector<size_t> buf_of(m.miss.size());
     if (cfg.read_splits > 1 && lay.read_bytes >= 2 * PACK_ALIGNMENT) {
         // chunked: every chunk of the submitted misses in flight at once; each chunk is copied into its slot as it
@@ -650,21 +651,7 @@ void expert_pack_provider::load_via_staging(miss_load & m) {
                 m.loaded(j);
             }
         };
-        size_t next = 0;
-        while ((!m.failure && next < m.miss.size()) || m.outstanding) {
-            try {
-                if (!m.failure && next < m.miss.size() && (next < nb || m.stored[next - nb]) && !reads->ready()) {
-                    const auto t0 = clk::now();
-                    uint8_t * buf = L->stage->acquire(&buf_of[next]);
-                    stats.copy_wait_ns += ns_since(t0);
-                    m.submit_chunked(next++, buf);
-                } else {
-                    m.collect(on_chunk);
-                }
-            } catch (...) {
-                if (!m.failure) m.failure = std::current_exception();
-            }
-        }
+        stage_loop(m, buf_of, [&](size_t j, uint8_t * buf) { m.submit_chunked(j, buf); }, on_chunk);
         return;
     }
     auto on_read = [&](size_t j) {
@@ -672,16 +659,26 @@ void expert_pack_provider::load_via_staging(miss_load & m) {
         stats.ram_misses++;
         m.loaded(j);
     };
+    stage_loop(m, buf_of, [&](size_t j, uint8_t * buf) { m.submit_read(j, buf); }, on_read);
+}
+
+// The staging path's loop, whole blocks or chunks alike: miss `next` is submitted (into the staging buffer it gets)
+// once miss next - n_buffers() is in its slot and no read is waiting to be collected; otherwise the next read is
+// collected (on_done). After a failure nothing more is submitted and the reads in flight are drained.
+template <class Submit, class OnDone>
+void expert_pack_provider::stage_loop(miss_load & m, std::vector<size_t> & buf_of, const Submit & submit,
+                                      const OnDone & on_done) {
+    const size_t nb = m.L->stage->n_buffers();
     size_t next = 0;
     while ((!m.failure && next < m.miss.size()) || m.outstanding) {
         try {
             if (!m.failure && next < m.miss.size() && (next < nb || m.stored[next - nb]) && !reads->ready()) {
                 const auto t0 = clk::now();
-                uint8_t * buf = L->stage->acquire(&buf_of[next]);
+                uint8_t * buf = m.L->stage->acquire(&buf_of[next]);
                 stats.copy_wait_ns += ns_since(t0);
-                m.submit_read(next++, buf);
+                submit(next++, buf);
             } else {
-                m.collect(on_read);
+                m.collect(on_done);
             }
         } catch (...) {
             if (!m.failure) m.failure = std::current_exception();
