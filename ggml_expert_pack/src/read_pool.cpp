@@ -2,7 +2,26 @@
 
 namespace expert_pack {
 
-read_pool::read_pool(int n_threads) {
+void run_read(io_engine & io, counters & stats, const read_request & r) {
+    struct hash_mark {  // set on failure too: the timeline shows where a failed read stopped
+        step_timeline::read_marks * m;
+        ~hash_mark() { if (m) m->hash = step_timeline::now(); }
+    } hm{r.marks};
+    const int64_t t0 = step_timeline::now();
+    if (r.marks) r.marks->start = t0;
+    if (r.whole_block) {
+        io.read(r.dst, r.offset, r.len);
+    } else {
+        io.read_whole(r.dst, r.offset, r.len);
+    }
+    const int64_t t1 = step_timeline::now();
+    stats.read_ns += (uint64_t) (t1 - t0);
+    stats.pack_read_bytes += r.len;
+    if (r.marks) r.marks->io = t1;
+    if (r.landed) r.landed();
+}
+
+read_pool::read_pool(io_engine & io, counters & stats, int n_threads) : io_(io), stats_(stats) {
     for (int i = 0; n_threads > 1 && i < n_threads; ++i) {
         threads_.emplace_back([this] { worker(); });
     }
@@ -21,9 +40,9 @@ read_pool::~read_pool() {
     }
 }
 
-void read_pool::submit(size_t tag, std::function<void()> fn) {
+void read_pool::submit(size_t tag, read_request r) {
     if (threads_.empty()) {
-        const std::exception_ptr err = run_catching(fn);
+        const std::exception_ptr err = run_catching([&] { run_read(io_, stats_, r); });
         std::lock_guard<std::mutex> lk(mu_);
         done_.emplace_back(tag, err);
         n_done_.fetch_add(1, std::memory_order_release);
@@ -31,7 +50,7 @@ void read_pool::submit(size_t tag, std::function<void()> fn) {
     }
     {
         std::lock_guard<std::mutex> lk(mu_);
-        jobs_.emplace_back(tag, std::move(fn));
+        jobs_.emplace_back(tag, std::move(r));
     }
     work_cv_.notify_one();
 }
@@ -58,7 +77,7 @@ std::pair<size_t, std::exception_ptr> read_pool::next() {
 
 void read_pool::worker() {
     for (;;) {
-        std::pair<size_t, std::function<void()>> job;
+        std::pair<size_t, read_request> job;
         {
             std::unique_lock<std::mutex> lk(mu_);
             work_cv_.wait(lk, [this] { return stop_ || !jobs_.empty(); });
@@ -68,7 +87,7 @@ void read_pool::worker() {
             job = std::move(jobs_.front());
             jobs_.pop_front();
         }
-        const std::exception_ptr err = run_catching(job.second);
+        const std::exception_ptr err = run_catching([&] { run_read(io_, stats_, job.second); });
         {
             std::lock_guard<std::mutex> lk(mu_);
             done_.emplace_back(job.first, err);

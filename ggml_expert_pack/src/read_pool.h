@@ -1,9 +1,11 @@
-// Concurrent whole-block reads for one acquire (config key read_threads): a step's misses are submitted as
-// soon as each has a destination of its own (a RAM-tier block: all of them at once; a staging buffer: as many
-// as there are buffers) and read by a few threads; the acquiring thread collects the reads in the order they
-// land and starts each block's copy into its slot right away. With read_threads = 1 there are no threads: submit() runs the read on the caller, so the sequence is
-// the plain read, copy, read, copy.
+// The thread-pool I/O queue (config key read_threads): a step's misses are submitted as soon as each has a
+// destination of its own (a RAM-tier block: all of them at once; a staging buffer: as many as there are buffers)
+// and read by a few threads; the acquiring thread collects the reads in the order they land and starts each block's
+// copy into its slot right away. With read_threads = 1 there are no threads: submit() runs the read on the caller,
+// so the sequence is the plain read, copy, read, copy.
 #pragma once
+
+#include "io_queue.h"
 
 #include <atomic>
 #include <condition_variable>
@@ -28,28 +30,26 @@ inline std::exception_ptr run_catching(const std::function<void()> & fn) {
     return nullptr;
 }
 
-class read_pool {
+class read_pool final : public io_queue {
 public:
-    explicit read_pool(int n_threads);  // n_threads <= 1: inline
-    ~read_pool();
+    read_pool(io_engine & io, counters & stats, int n_threads);  // n_threads <= 1: inline
+    ~read_pool() override;
     read_pool(const read_pool &) = delete;
     read_pool & operator=(const read_pool &) = delete;
 
-    // Run `fn` (on a worker, or now on the caller); its completion is reported by next() under `tag`.
-    void submit(size_t tag, std::function<void()> fn);
-    // Whether a completion is waiting (next() would not block).
-    bool ready();
-    // The next completed job, blocking until one is: its tag and its exception (null when it succeeded).
-    // Only call with a job outstanding.
-    std::pair<size_t, std::exception_ptr> next();
+    void submit(size_t tag, read_request r) override;
+    bool ready() override;
+    std::pair<size_t, std::exception_ptr> next() override;
 
 private:
     void worker();
 
+    io_engine & io_;
+    counters & stats_;
     std::vector<std::thread> threads_;
     std::mutex mu_;
     std::condition_variable work_cv_, done_cv_;
-    std::deque<std::pair<size_t, std::function<void()>>> jobs_;
+    std::deque<std::pair<size_t, read_request>> jobs_;
     std::deque<std::pair<size_t, std::exception_ptr>> done_;
     std::atomic<size_t> n_done_{0};  // done_.size(), readable without the lock (next() spins on it briefly)
     bool stop_ = false;
