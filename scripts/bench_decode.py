@@ -26,6 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
+from expert_pack_devtools.proc import expert_pack_argv
+
 
 def drop_caches() -> bool:
     try:
@@ -81,7 +83,7 @@ def timed(s, tokens: list[int]) -> float:
 
 
 def measure(model: Path, tokens: list[int], n_prefill: int, n_decode: int, provider=None, warm: bool = False) -> dict:
-    from ggml_expert_pack.lossless import Session
+    from expert_pack_devtools.lossless import Session
     s = Session(model, provider)
     try:
         out = {"load_s": s.load_s, "n_ubatch": s.n_ubatch}
@@ -127,16 +129,16 @@ def main() -> int:
     ap.add_argument("--shape", default="30b-a3b")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    from ggml_expert_pack.lossless import cache_mib_for_slots
+    from expert_pack_devtools.lossless import cache_mib_for_slots
     from ggml_expert_pack.packer import build
     from ggml_expert_pack.packer.format import load_manifest
     from ggml_expert_pack.pybind.provider import Provider
-    from ggml_expert_pack.routing import PROMPTS
+    from expert_pack_devtools.routing import PROMPTS
 
     res: dict = {"date": time.strftime("%Y-%m-%d %H:%M"), "cpus": os.cpu_count()}
     if not args.model.exists():
         t0 = time.time()
-        subprocess.run([sys.executable, "-m", "ggml_expert_pack.cli", "synth", str(args.model), "--shape", args.shape,
+        subprocess.run([*expert_pack_argv(), "synth", str(args.model), "--shape", args.shape,
                         "--quiet"], check=True)
         res["synth_s"] = time.time() - t0
     if not (args.pack / "manifest.json").exists():

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from expert_pack_devtools.proc import expert_pack_argv
 
 
 def drop_caches() -> bool:
@@ -59,7 +60,7 @@ def main() -> int:
 
     if not args.model.exists():
         t0 = time.time()
-        subprocess.run([sys.executable, "-m", "ggml_expert_pack.cli", "synth", str(args.model),
+        subprocess.run([*expert_pack_argv(), "synth", str(args.model),
                         "--shape", args.synth_shape, "--quiet"], check=True)
         res["synth_seconds"] = time.time() - t0
         res["synth_bytes_per_s"] = args.model.stat().st_size / res["synth_seconds"]

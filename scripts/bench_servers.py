@@ -20,9 +20,10 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from ggml_expert_pack import bench_client
-from ggml_expert_pack.lossless import cache_mib_for_slots
+from expert_pack_devtools import bench_client
+from expert_pack_devtools.lossless import cache_mib_for_slots
 from ggml_expert_pack.packer.format import load_manifest
+from expert_pack_devtools.proc import expert_pack_argv
 
 
 def main() -> int:
@@ -46,7 +47,7 @@ def main() -> int:
         if v is not None:
             knobs.append((flag, str(v)))
     trunk = str(args.pack / "trunk.gguf")
-    ep = [sys.executable, "-m", "ggml_expert_pack.cli"]
+    ep = expert_pack_argv()
     systems = {
         "serve": ep + ["serve", "-m", trunk, "--expert-pack", str(args.pack), "--cache-mib", cache,
                        "--cache-reserve-mib", "0", "-c", str(args.ctx)] + [x for f, v in knobs for x in (f"--{f}", v)],

@@ -30,6 +30,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_decode import drop_caches, measure, tokenize  # noqa: E402
+from expert_pack_devtools.proc import expert_pack_argv  # noqa: E402
 
 CONFIGS = {  # provider keys on top of the evicting cache; every key not named at its default
     "default": {},
@@ -99,11 +100,11 @@ def main() -> int:
     ap.add_argument("--prefill-config", default="default")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    from ggml_expert_pack.lossless import cache_mib_for_slots
+    from expert_pack_devtools.lossless import cache_mib_for_slots
     from ggml_expert_pack.packer import build
     from ggml_expert_pack.packer.format import load_manifest
     from ggml_expert_pack.pybind.provider import Provider
-    from ggml_expert_pack.routing import PROMPTS
+    from expert_pack_devtools.routing import PROMPTS
 
     res: dict = {"date": time.strftime("%Y-%m-%d %H:%M"), "cpus": os.cpu_count(), "args": {
         k: str(v) for k, v in vars(args).items()}, "runs": []}
@@ -113,7 +114,7 @@ def main() -> int:
     except OSError:
         pass
     if not args.model.exists():
-        subprocess.run([sys.executable, "-m", "ggml_expert_pack.cli", "synth", str(args.model), "--shape", args.shape,
+        subprocess.run([*expert_pack_argv(), "synth", str(args.model), "--shape", args.shape,
                         "--quiet"], check=True)
     if not (args.pack / "manifest.json").exists():
         build(args.model, args.pack, force=True, progress=False)
@@ -187,7 +188,7 @@ def main() -> int:
                   flush=True)
             (args.out / "storage.json").write_text(json.dumps(res, indent=1) + "\n")
     if args.prefill_sweep:
-        from ggml_expert_pack.lossless import Session
+        from expert_pack_devtools.lossless import Session
         data_bytes = m["pack"]["data_size"]
         res["prefill"] = []
         for n in (int(x) for x in args.prefill_sweep.split(",")):

@@ -47,7 +47,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_decode import drop_caches, odirect_bandwidth  # noqa: E402
 
-from ggml_expert_pack import bench_client  # noqa: E402
+from expert_pack_devtools import bench_client  # noqa: E402
+from expert_pack_devtools.proc import expert_pack_argv  # noqa: E402
 
 CGROUP = Path("/sys/fs/cgroup")
 
@@ -302,12 +303,12 @@ def main() -> int:
         print((args.out / "report.md").read_text())
         return 0
 
-    from ggml_expert_pack.lossless import cache_mib_for_slots
+    from expert_pack_devtools.lossless import cache_mib_for_slots
     from ggml_expert_pack.packer import build
     from ggml_expert_pack.packer.format import load_manifest
     from ggml_expert_pack.tools import tool_path
 
-    py = [sys.executable, "-m", "ggml_expert_pack.cli"]
+    py = expert_pack_argv()
     if not args.model.exists():
         args.model.parent.mkdir(parents=True, exist_ok=True)
         subprocess.run(py + ["synth", str(args.model), "--shape", args.shape, "--quiet"], check=True)

@@ -55,6 +55,7 @@ import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
+from expert_pack_devtools.proc import expert_pack_argv
 
 OUTCOMES = ("refused", "identical", "crash", "hang", "traceback", "changed")
 BAD = ("crash", "hang", "traceback", "changed")
@@ -394,7 +395,7 @@ def small_vocab(dst: Path, n: int = VOCAB_SIZE) -> Path:
     """A vocab GGUF with the first `n` tokens of the packaged qwen2 BPE vocabulary (the byte alphabet and the
     first merges), the merges among them, and one end-of-text token: loading it takes milliseconds instead of the
     ~2 s of 151,936 tokens, which would dominate every load-and-generate."""
-    from ggml_expert_pack.synth.generate import default_vocab
+    from expert_pack_devtools.synth.generate import default_vocab
     doc = parse_gguf(default_vocab())
     kv = {k.key.decode(): k for k in doc.kvs}
 
@@ -435,7 +436,7 @@ def prepare(workdir: str | Path, source: str | Path | None = None, worker: Worke
     """Generate (or take) the fuzz model, pack it, and record the reference outputs of verify, inspect and
     load-and-generate (which must equal stock llama.cpp's on the source)."""
     from ggml_expert_pack.packer import build
-    from ggml_expert_pack.synth import SynthConfig, generate
+    from expert_pack_devtools.synth import SynthConfig, generate
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     if source is None:
@@ -1260,11 +1261,11 @@ class HttpFuzz:
         self.n = 0
 
     def start(self) -> None:
-        from ggml_expert_pack.bench_client import free_port, wait_healthy
+        from expert_pack_devtools.bench_client import free_port, wait_healthy
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.err = open(self.base.workdir / "serve.stderr", "ab")
-        self.proc = subprocess.Popen([sys.executable, "-m", "ggml_expert_pack.cli", "serve", "-m",
+        self.proc = subprocess.Popen([*expert_pack_argv(), "serve", "-m",
                                       str(self.base.pack / "trunk.gguf"), "--expert-pack", str(self.base.pack),
                                       "-c", "256", "--host", "127.0.0.1", "--port", str(self.port)],
                                      stdout=subprocess.DEVNULL, stderr=self.err, start_new_session=True)

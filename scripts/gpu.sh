@@ -136,8 +136,9 @@ do_storage_pipeline() {
   timed "$out" build do_build || return 1
   env_site
   mkdir -p "$shm"
-  ( [ -f "$shm/model.gguf" ] || $PY -m ggml_expert_pack.cli synth "$shm/model.gguf" --shape 30b-a3b --quiet
-    [ -f "$shm/model.pack/manifest.json" ] || $PY -m ggml_expert_pack.cli build "$shm/model.gguf" -o "$shm/model.pack" --quiet
+  # the installed console script ($EP_SITE/bin is on PATH): `python -m` here would import the checkout's source folder
+  ( [ -f "$shm/model.gguf" ] || expert-pack synth "$shm/model.gguf" --shape 30b-a3b --quiet
+    [ -f "$shm/model.pack/manifest.json" ] || expert-pack build "$shm/model.gguf" -o "$shm/model.pack" --quiet
   ) > "$out/prepare.log" 2>&1 &
   local prep=$!
   EP_SKIP_ARCHS_TOOL=1 timed "$out" test do_test "$out" -q ${EP_TEST_ARGS:-}

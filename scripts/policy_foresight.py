@@ -16,9 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from ggml_expert_pack import policy_sim  # noqa: E402
-from ggml_expert_pack.routing.trace import RoutingTrace  # noqa: E402
+from expert_pack_devtools import policy_sim
+from expert_pack_devtools.routing.trace import RoutingTrace
 
 
 def local_a0(steps: list[list[int]], slots: int, n_expert: int, window: int) -> int:

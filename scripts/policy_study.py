@@ -10,8 +10,8 @@ import sys
 import time
 from pathlib import Path
 
-from ggml_expert_pack import policy_sim, routing
-from ggml_expert_pack.synth import SHAPES, RoutingConfig, SynthConfig, generate
+from expert_pack_devtools import policy_sim, routing
+from expert_pack_devtools.synth import SHAPES, RoutingConfig, SynthConfig, generate
 
 SETTINGS = ("uniform", "realistic", "skewed")
 

@@ -21,8 +21,6 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -32,11 +30,11 @@ def main() -> int:
     ap.add_argument("--modes", default="off,held,on", help="which of off, held, on to run")
     args = ap.parse_args()
 
-    from ggml_expert_pack.lossless import Session, cache_mib_for_slots, ram_mib_for_blocks
+    from expert_pack_devtools.lossless import Session, cache_mib_for_slots, ram_mib_for_blocks
     from ggml_expert_pack.packer import build
     from ggml_expert_pack.packer.format import TRUNK_FILE
     from ggml_expert_pack.pybind.provider import Provider
-    from ggml_expert_pack.synth import SHAPES, RoutingConfig, SynthConfig, generate
+    from expert_pack_devtools.synth import SHAPES, RoutingConfig, SynthConfig, generate
 
     args.dir.mkdir(parents=True, exist_ok=True)
     model, pack = args.dir / "routing-realistic.gguf", args.dir / "pack"

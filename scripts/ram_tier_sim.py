@@ -28,8 +28,6 @@ import sys
 from collections import OrderedDict
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 
 def steps_of(trace) -> list[list[list[int]]]:
     """Per token, per layer: the distinct experts."""
@@ -168,8 +166,8 @@ def simulate_runtime(steps, n_layers: int, n_expert: int, vram_slots: int, ram_b
 
 def simulate_pool(steps, n_expert: int, capacity: int, policy: str) -> dict:
     """One cache of `capacity` experts over all layers (keys layer * n_expert + expert), one step per token with
-    all of its layers' experts pinned; policy "lfu", "a0" or "belady" (ggml_expert_pack.policy_sim.step_hits)."""
-    from ggml_expert_pack import policy_sim
+    all of its layers' experts pinned; policy "lfu", "a0" or "belady" (expert_pack_devtools.policy_sim.step_hits)."""
+    from expert_pack_devtools import policy_sim
     tokens = [[li * n_expert + x for li, experts in enumerate(tok) for x in experts] for tok in steps]
     hits = policy_sim.step_hits(tokens, policy, capacity)
     n_tok = len(steps)
@@ -186,7 +184,7 @@ def main() -> int:
                     help="popularity half-life of the spill mode, in steps (the runtime's SPILL_HALF_LIFE)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
-    from ggml_expert_pack.routing.trace import RoutingTrace
+    from expert_pack_devtools.routing.trace import RoutingTrace
     trace = RoutingTrace.load(args.trace)
     steps = steps_of(trace)
     n_layers = len(trace.layers)

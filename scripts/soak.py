@@ -39,6 +39,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from expert_pack_devtools.proc import expert_pack_argv
 
 HOST = "127.0.0.1"
 KINDS = {"normal": 30, "stream": 20, "disconnect": 15, "malformed": 25, "slow": 10}
@@ -312,7 +313,7 @@ def percentiles(xs: list[float]) -> dict:
 
 def make_pack(work: Path) -> Path:
     from ggml_expert_pack.packer import build
-    from ggml_expert_pack.synth import SHAPES, SynthConfig, generate
+    from expert_pack_devtools.synth import SHAPES, SynthConfig, generate
     model = work / "soak-qwen3moe.gguf"
     generate(SynthConfig(arch="qwen3moe", **SHAPES["tiny"]), model, progress=False)
     return build(model, work / "soak.pack", progress=False).pack_dir
@@ -343,7 +344,7 @@ def run(args, extra: list[str]) -> dict:
         target = str(make_pack(work))
     port = args.port or free_port()
     log_path = Path(args.log) if args.log else work / "server.log"
-    cmd = [sys.executable, "-m", "ggml_expert_pack.cli", "serve", target, "--port", str(port), "-c", str(args.ctx),
+    cmd = [*expert_pack_argv(), "serve", target, "--port", str(port), "-c", str(args.ctx),
            "-t", str(args.threads), *extra]
     print("$", " ".join(cmd), file=sys.stderr, flush=True)
     log = open(log_path, "w+")

@@ -1,9 +1,25 @@
 """Shared fixtures: small synthetic models generated once per test session (seconds each)."""
 from __future__ import annotations
 
+import os
+import sys
+from pathlib import Path
+
 import pytest
 
-from ggml_expert_pack.synth import SHAPES, SynthConfig, generate
+# The tests exercise the installed package. `python -m pytest` in the checkout puts the checkout first on sys.path,
+# where the source folder ggml_expert_pack/ would shadow it: that folder is not the installed package (the wheel adds
+# packer/, server/ and pybind/ into it, pyproject.toml, and bin/, data/ and the libraries beside it).
+_CHECKOUT = Path(__file__).resolve().parent.parent
+sys.path[:] = [p for p in sys.path if Path(p or os.curdir).resolve() != _CHECKOUT]
+
+import ggml_expert_pack  # noqa: E402
+
+if not (Path(ggml_expert_pack.__file__).parent / "packer").is_dir():
+    raise pytest.UsageError(f"ggml_expert_pack is imported from {Path(ggml_expert_pack.__file__).parent}, not from an "
+                            "install: run `pip install .` (README, Quick start)")
+
+from expert_pack_devtools.synth import SHAPES, SynthConfig, generate  # noqa: E402
 
 # The smallest models that still exercise each arch's features.
 TINY = {

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from ggml_expert_pack.gguf_file import read_header
-from ggml_expert_pack.lossless import cache_mib_for_slots, run
+from expert_pack_devtools.lossless import cache_mib_for_slots, run
 from ggml_expert_pack.packer import build
 from ggml_expert_pack.packer.format import TRUNK_FILE
 from ggml_expert_pack.pybind.provider import Provider

@@ -8,7 +8,7 @@ import shutil
 import numpy as np
 import pytest
 
-from ggml_expert_pack.lossless import Session, cache_mib_for_slots, run
+from expert_pack_devtools.lossless import Session, cache_mib_for_slots, run
 from ggml_expert_pack.packer.format import PACK_FILE, TRUNK_FILE
 from ggml_expert_pack.pybind.provider import Provider
 from conftest import TINY

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ggml_expert_pack.lossless import cache_mib_for_slots, ram_mib_for_blocks, run
+from expert_pack_devtools.lossless import cache_mib_for_slots, ram_mib_for_blocks, run
 from ggml_expert_pack.pybind.provider import CONFIG_KEYS, Provider
 
 # values are functions of (pack dir, tmp dir) where they depend on them

@@ -11,8 +11,8 @@ import urllib.request
 
 import pytest
 
-from ggml_expert_pack.bench_client import free_port, pack_counters, wait_healthy
-from ggml_expert_pack.lossless import cache_mib_for_slots
+from expert_pack_devtools.bench_client import free_port, pack_counters, wait_healthy
+from expert_pack_devtools.lossless import cache_mib_for_slots
 from ggml_expert_pack.tools import tool_path
 
 try:
@@ -105,7 +105,7 @@ def test_llama_server_with_pack_answers_like_stock(packs, tmp_path, arch):
 
 def test_llama_server_with_prefetch_answers_like_stock(packs, tmp_path):
     """--expert-ram-cache-mib with --expert-prefetch on: same text as stock, and the prefetch counters on /metrics."""
-    from ggml_expert_pack.lossless import ram_mib_for_blocks
+    from expert_pack_devtools.lossless import ram_mib_for_blocks
     src, pack = packs("qwen3moe")
     want = _stock_completion(src, tmp_path)
     ours = LlamaServer(["-m", str(pack / "trunk.gguf"), "--expert-pack", str(pack),

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ggml_expert_pack.lossless import cache_mib_for_slots, run
+from expert_pack_devtools.lossless import cache_mib_for_slots, run
 from ggml_expert_pack.pybind.provider import Provider
 
 pytestmark = pytest.mark.gpu
@@ -61,7 +61,7 @@ def test_gpu_lossless(packs, arch, slots):
 def test_gpu_ram_tier_lossless(packs, read_threads):
     """The host-RAM tier on a GPU: pinned blocks, asynchronous copies from them into the VRAM slots (store_from),
     an evicting device cache and an evicting tier; same criterion as above."""
-    from ggml_expert_pack.lossless import ram_mib_for_blocks
+    from expert_pack_devtools.lossless import ram_mib_for_blocks
     src, pack = packs("qwen3moe")
     with_pack, stats = _pack_on_gpu(pack, cache_vram_mib=cache_mib_for_slots(pack, 4),
                                     ram_cache_mib=ram_mib_for_blocks(pack, 24), read_threads=read_threads)
@@ -73,7 +73,7 @@ def test_gpu_ram_tier_lossless(packs, read_threads):
     assert stats["io_errors"] == 0 and stats["cache_misses"] == stats["ram_hits"] + stats["ram_misses"]
     assert stats["ram_hits"] > 0 and stats["ram_evictions"] > 0
     # while attached, the tier is page-locked memory (host buffer type of the device, checked at allocation)
-    from ggml_expert_pack.lossless import Session
+    from expert_pack_devtools.lossless import Session
     p = Provider.open(pack, cache_vram_reserve_mib=0, cache_vram_mib=cache_mib_for_slots(pack, 4),
                       ram_cache_mib=ram_mib_for_blocks(pack, 24), read_threads=read_threads)
     s = Session(pack / "trunk.gguf", p, n_ctx=256, n_gpu_layers=-1)
@@ -91,7 +91,7 @@ def test_gpu_prefetch_lossless(packs, arch):
     """Next-layer prefetch on a GPU: the next router's product and top-k on the device, the prefetch op on the CPU
     after the acquire op, background reads into pinned RAM blocks, their copies at the next layer's acquire; same
     criterion as above, and the prefetches are used."""
-    from ggml_expert_pack.lossless import ram_mib_for_blocks
+    from expert_pack_devtools.lossless import ram_mib_for_blocks
     src, pack = packs(arch)
     with_pack, c = _pack_on_gpu(pack, cache_vram_mib=cache_mib_for_slots(pack, 4),
                                 ram_cache_mib=ram_mib_for_blocks(pack, 24), prefetch=True)

@@ -9,14 +9,14 @@ import os
 import shutil
 import struct
 import subprocess
-import sys
 import textwrap
 
 import pytest
 
 from ggml_expert_pack.gguf_file import read_header
-from ggml_expert_pack.lossless import cache_mib_for_slots
+from expert_pack_devtools.lossless import cache_mib_for_slots
 from ggml_expert_pack.packer.format import manifest_digest
+from expert_pack_devtools.proc import python_c
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +36,7 @@ def _load(model, pack_dir, **cfg):
     test, not the end of the run; (returncode, stderr, stdout)."""
     code = textwrap.dedent(f"""
         import json, sys
-        from ggml_expert_pack.lossless import Session
+        from expert_pack_devtools.lossless import Session
         from ggml_expert_pack.pybind.provider import Provider
         try:
             p = Provider.open({str(pack_dir)!r}, **{cfg!r})
@@ -47,7 +47,7 @@ def _load(model, pack_dir, **cfg):
             print("ERROR:", e, file=sys.stderr)
             sys.exit(3)
     """)
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    r = subprocess.run(python_c(code), capture_output=True, text=True, timeout=120)
     return r.returncode, r.stderr, r.stdout
 
 
@@ -245,7 +245,7 @@ def test_prompt_logits_bit_identical_at_a_whole_prompt_ubatch(pack):
     """A 700-token prompt in one ubatch of 1024 with an evicting cache (served in rounds): logits bit-identical to
     stock's at the same ubatch."""
     import numpy as np
-    from ggml_expert_pack.lossless import run
+    from expert_pack_devtools.lossless import run
     from ggml_expert_pack.pybind.provider import Provider
     p = Provider.open(pack[1], cache_vram_mib=cache_mib_for_slots(pack[1], 9), cache_vram_reserve_mib=0,
                       read_splits=4, read_threads=4)

@@ -20,6 +20,7 @@ from ggml_expert_pack.packer import BuildError, SourceError, VerifyError, build,
 from ggml_expert_pack.packer.format import (ALIGNMENT, HEADER_SIZE, MANIFEST_FILE, PACK_FILE, TRUNK_FILE,
                                             layers_from_manifest, load_manifest)
 from ggml_expert_pack.pybind import xxh3_128
+from expert_pack_devtools.proc import python_c
 
 MIXED = dict(expert_type="q4_k", layer_expert_types={"1": "f16", "2": "q2_k"})
 CASES = {
@@ -74,14 +75,13 @@ def test_xxh3_vector_paths_agree():
     """The run-time choice of the hash's vector unit never changes a checksum: the default path and the forced
     baseline (EXPERT_PACK_XXH3_BASELINE=1) agree on random blocks of many lengths."""
     import subprocess
-    import sys
     code = ("import numpy as np; from ggml_expert_pack.pybind import xxh3_128; "
             "r = np.random.default_rng(5); "
             "print(' '.join(xxh3_128(r.integers(0, 256, n, dtype=np.uint8)).hex() "
             "for n in (0, 1, 17, 129, 240, 241, 1024, 4096, 65536 + 3, 2 * 1048576 + 4096)))")
     env = {k: v for k, v in os.environ.items() if k != "EXPERT_PACK_XXH3_BASELINE"}
-    default = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
-    baseline = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+    default = subprocess.run(python_c(code), capture_output=True, text=True, env=env, check=True)
+    baseline = subprocess.run(python_c(code), capture_output=True, text=True, check=True,
                               env={**env, "EXPERT_PACK_XXH3_BASELINE": "1"})
     assert default.stdout.split() == baseline.stdout.split() and len(default.stdout.split()) == 10
 
@@ -674,7 +674,7 @@ def test_inspect_minimum_cache_is_what_loading_needs(packs):
 
 
 def test_bench_client_against_a_dead_server_writes_nothing(tmp_path, capsys):
-    from ggml_expert_pack.bench_client import free_port
+    from expert_pack_devtools.bench_client import free_port
     out = tmp_path / "results"
     _one_line_error(capsys, 2, ["bench-client", f"http://127.0.0.1:{free_port()}", "--system", "x", "--out", str(out)],
                     r"cannot reach http://127\.0\.0\.1:\d+")
@@ -685,7 +685,7 @@ def test_bench_client_against_a_dead_server_writes_nothing(tmp_path, capsys):
 
 def test_bench_plot_is_linear_from_zero_with_value_labels():
     pytest.importorskip("matplotlib")
-    from ggml_expert_pack.bench_client import figure
+    from expert_pack_devtools.bench_client import figure
     reports = [{"system": s, "summary": {"alpaca": {"prefill_tok_s": p, "decode_tok_s": d},
                                          "mmlu": {"prefill_tok_s": p, "decode_tok_s": d}}}
                for s, p, d in (("a", 800.0, 59.5), ("b", 810.0, 60.5))]

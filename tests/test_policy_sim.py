@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ggml_expert_pack import policy_sim
+from expert_pack_devtools import policy_sim
 from ggml_expert_pack.pybind.provider import Policy
-from ggml_expert_pack.routing.trace import RoutingTrace
+from expert_pack_devtools.routing.trace import RoutingTrace
 
 
 def _trace(steps, n_expert=8):
@@ -84,9 +84,9 @@ def test_cli(tmp_path, capsys):
 def test_runtime_trace_replays_the_runtime(packs, tmp_path, capsys):
     """Decode-only (one token per step): the hybrid replayed from the recorded trace is the runtime's cache."""
     from ggml_expert_pack.cli import main
-    from ggml_expert_pack.lossless import cache_mib_for_slots, run
+    from expert_pack_devtools.lossless import cache_mib_for_slots, run
     from ggml_expert_pack.pybind.provider import Provider
-    from ggml_expert_pack.routing.trace import StepTrace
+    from expert_pack_devtools.routing.trace import StepTrace
     src, pack = packs("qwen3moe")
     path = tmp_path / "routing.trace"
     slots = 9
@@ -115,9 +115,9 @@ def test_runtime_trace_replays_the_runtime(packs, tmp_path, capsys):
 
 def test_runtime_trace_prompt_steps(packs, tmp_path):
     """A prompt step records every token; a step larger than the cache replays in groups of at most `slots`."""
-    from ggml_expert_pack.lossless import cache_mib_for_slots, run
+    from expert_pack_devtools.lossless import cache_mib_for_slots, run
     from ggml_expert_pack.pybind.provider import Provider
-    from ggml_expert_pack.routing.trace import StepTrace
+    from expert_pack_devtools.routing.trace import StepTrace
     src, pack = packs("qwen3moe")
     path = tmp_path / "prompt.trace"
     p = Provider.open(pack, cache_vram_mib=cache_mib_for_slots(pack, 4), cache_vram_reserve_mib=0,
@@ -136,7 +136,7 @@ def test_runtime_trace_prompt_steps(packs, tmp_path):
 
 
 def test_bad_trace_files(tmp_path):
-    from ggml_expert_pack.routing.trace import StepTrace
+    from expert_pack_devtools.routing.trace import StepTrace
     bad = tmp_path / "bad.trace"
     bad.write_bytes(b"NOTATRACE" + bytes(20))
     with pytest.raises(ValueError, match="not a routing trace"):

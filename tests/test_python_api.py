@@ -8,7 +8,7 @@ import pickle
 import pytest
 from llama_cpp import Llama
 
-from ggml_expert_pack.lossless import cache_mib_for_slots
+from expert_pack_devtools.lossless import cache_mib_for_slots
 from ggml_expert_pack.packer import build
 
 K = 4
@@ -75,7 +75,7 @@ def test_stats(packed):
 
 
 def test_ram_tier_and_read_threads_through_the_api(pair, stock):
-    from ggml_expert_pack.lossless import ram_mib_for_blocks
+    from expert_pack_devtools.lossless import ram_mib_for_blocks
     llm = _llm(pair[1] / "trunk.gguf", expert_pack={"pack_dir": str(pair[1]), "cache_vram_reserve_mib": 0,
                                                      "cache_vram_mib": cache_mib_for_slots(pair[1], 2 * K + 1),
                                                      "ram_cache_mib": ram_mib_for_blocks(pair[1], 24),
@@ -129,7 +129,7 @@ def test_max_tokens_is_exact_even_on_a_split_utf8_character(packed):
     """Upstream generated one token past max_tokens when the last one ended inside a UTF-8 character (patch 0005)."""
     from llama_cpp import LogitsProcessorList
 
-    from ggml_expert_pack.bench_client import requests
+    from expert_pack_devtools.bench_client import requests
     for _, _, prompt in requests():
         for stream in (False, True):
             calls = []

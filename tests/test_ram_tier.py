@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ggml_expert_pack.lossless import Session, cache_mib_for_slots, ram_mib_for_blocks, run
+from expert_pack_devtools.lossless import Session, cache_mib_for_slots, ram_mib_for_blocks, run
 from ggml_expert_pack.packer.format import TRUNK_FILE, layers_from_manifest, load_manifest
 from ggml_expert_pack.pybind.provider import Provider, normalize_config
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ggml_expert_pack import routing
-from ggml_expert_pack.routing import stats
-from ggml_expert_pack.routing.trace import RoutingTrace
+from expert_pack_devtools import routing
+from expert_pack_devtools.routing import stats
+from expert_pack_devtools.routing.trace import RoutingTrace
 
 
 def _trace(rows, n_expert=8):
@@ -55,5 +55,5 @@ def test_routing_knobs_move_the_statistics(synth_model):
 
 
 def routing_preset(name):
-    from ggml_expert_pack.synth import RoutingConfig
+    from expert_pack_devtools.synth import RoutingConfig
     return RoutingConfig.PRESETS[name]

@@ -11,7 +11,7 @@ import shutil
 import numpy as np
 import pytest
 
-from ggml_expert_pack.lossless import cache_mib_for_slots, run
+from expert_pack_devtools.lossless import cache_mib_for_slots, run
 from ggml_expert_pack.packer import build
 from ggml_expert_pack.packer.format import MANIFEST_FILE, PACK_FILE, layers_from_manifest, load_manifest, manifest_digest
 from ggml_expert_pack.pybind.provider import Policy, Provider, normalize_config

@@ -8,22 +8,22 @@ import re
 import signal
 import socket
 import subprocess
-import sys
 import urllib.request
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-from ggml_expert_pack.bench_client import free_port, wait_healthy
+from expert_pack_devtools.bench_client import free_port, wait_healthy
 from ggml_expert_pack.cli import build_parser, main
+from expert_pack_devtools.proc import expert_pack_argv
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def refused(capsys, argv: list[str]) -> str:
     """Run `expert-pack serve ARGV` in-process; it must refuse with exit 2 and exactly one line on stderr."""
-    from ggml_expert_pack.bench_client import free_port
+    from expert_pack_devtools.bench_client import free_port
     try:  # a free port first (a later --port in argv wins): a refusal must not depend on 8080 being free
         code = main(["serve", "--port", str(free_port()), *argv])
     except SystemExit as e:  # argparse's own refusals
@@ -244,7 +244,7 @@ def test_gate_503_carries_the_start_time_header():
 # --- start-up and stop, in a subprocess -----------------------------------------------------------------------
 
 def serve_cmd(*argv) -> list[str]:
-    return [sys.executable, "-m", "ggml_expert_pack.cli", "serve", *map(str, argv)]
+    return [*expert_pack_argv(), "serve", *map(str, argv)]
 
 
 def test_port_in_use_fails_before_loading(pack):

@@ -7,7 +7,6 @@ import re
 import shutil
 import socket
 import subprocess
-import sys
 import threading
 import time
 import urllib.error
@@ -16,8 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from ggml_expert_pack.bench_client import free_port, wait_healthy
+from expert_pack_devtools.bench_client import free_port, wait_healthy
 from ggml_expert_pack.packer import build
+from expert_pack_devtools.proc import expert_pack_argv
 
 ROOT = Path(__file__).resolve().parent.parent
 ARTIFACTS = ROOT / "test-artifacts"
@@ -33,7 +33,7 @@ def server(synth_model, tmp_path_factory):
     port = free_port()
     log = open(pack.parent / "server.log", "w+")
     LOG["path"] = pack.parent / "server.log"
-    cmd = [sys.executable, "-m", "ggml_expert_pack.cli", "serve", "-m", str(pack / "trunk.gguf"),
+    cmd = [*expert_pack_argv(), "serve", "-m", str(pack / "trunk.gguf"),
            "--expert-pack", str(pack), "-c", str(N_CTX), "--port", str(port), "--alias", "tiny-moe", "-t", "2",
            "--stats-file", str(pack.parent / "stats.json"), "--ram-cache-mib", "64"]
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
@@ -473,7 +473,7 @@ def test_bench_client_reference_workload(server, tmp_path):
 
 
 def test_bench_client_budget_and_dead_server(tmp_path):
-    from ggml_expert_pack.bench_client import run
+    from expert_pack_devtools.bench_client import run
     rep = run(f"http://127.0.0.1:{free_port()}", "dead", n_predict=4, budget_s=5, log=lambda m: None)
     assert rep.completed == 0 and all(r.error for r in rep.results) and rep.summary == {}
     rep = run("http://127.0.0.1:9", "none", budget_s=0, log=lambda m: None)
@@ -491,7 +491,7 @@ def flagged(packs, tmp_path_factory):
     pack = packs("qwen3moe")[1]
     port = free_port()
     log = open(tmp_path_factory.mktemp("flagged") / "server.log", "w+")
-    cmd = [sys.executable, "-m", "ggml_expert_pack.cli", "serve", str(pack), "-c", str(N_CTX), "--port", str(port),
+    cmd = [*expert_pack_argv(), "serve", str(pack), "-c", str(N_CTX), "--port", str(port),
            "-t", "2", "-n", "5", "--seed", "3", "--temp", "0", "--top-k", "7", "--top-p", "0.5", "--min-p", "0.1",
            "--repeat-penalty", "1.1", "--api-key", f"{KEY},other", "--metrics", "--no-webui"]
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)

@@ -6,8 +6,8 @@ import pytest
 from gguf import GGMLQuantizationType as T
 
 from ggml_expert_pack.gguf_file import read_header
-from ggml_expert_pack.synth import SynthConfig, plan
-from ggml_expert_pack.synth.generate import generate
+from expert_pack_devtools.synth import SynthConfig, plan
+from expert_pack_devtools.synth.generate import generate
 from conftest import TINY
 
 ARCHS = list(TINY)

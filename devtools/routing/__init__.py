@@ -6,7 +6,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..gguf_file import read_header
+from ggml_expert_pack.gguf_file import read_header
+
 from . import stats
 from .prompts import PROMPTS
 from .trace import RoutingTrace, capture

@@ -37,8 +37,8 @@ class GGMLTensor(ctypes.Structure):
 
 
 GGML_TYPE_F32, GGML_TYPE_I32 = 0, 26
-_TOPK = re.compile(rb"^ffn_moe_topk-(\d+)$")
-_NORM = re.compile(rb"^ffn_norm-(\d+)$")
+TOPK_NAME = re.compile(rb"^ffn_moe_topk-(\d+)$")  # a MoE layer's selected expert ids
+NORM_NAME = re.compile(rb"^ffn_norm-(\d+)$")  # its router's input
 
 
 @dataclass
@@ -63,7 +63,7 @@ class RoutingTrace:
                    [z[f"experts_{i}"] for i in range(n)])
 
 
-def _tensor_array(lib: ctypes.CDLL, t: GGMLTensor, dtype) -> np.ndarray:
+def tensor_array(lib: ctypes.CDLL, t: GGMLTensor, dtype) -> np.ndarray:
     """Copy a 2-D (possibly strided) tensor out of whatever backend holds it: (ne1, ne0)."""
     ne0, ne1 = t.ne[0], t.ne[1]
     itemsize = np.dtype(dtype).itemsize
@@ -79,8 +79,10 @@ def capture(model_path: str | Path, prompts: list[str], router_inputs: bool = Fa
             n_gpu_layers: int = 0) -> RoutingTrace:
     import llama_cpp as lc
 
-    from ..gguf_file import read_header
-    from ..libggml import lib_dir
+    from ggml_expert_pack.gguf_file import read_header
+    from ggml_expert_pack.libggml import lib_dir
+
+    from ..lowlevel import backend_init_quiet, fill_batch
     header = read_header(model_path)
     n_expert = int(header.get(f"{header.arch}.expert_count", 0))
     if not n_expert:
@@ -89,9 +91,7 @@ def capture(model_path: str | Path, prompts: list[str], router_inputs: bool = Fa
     ggml.ggml_backend_tensor_get.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]
     ggml.ggml_backend_tensor_get.restype = None
 
-    lc.llama_backend_init()
-    from llama_cpp._logger import set_verbose
-    set_verbose(False)  # llama_cpp's own log callback, errors only (a callback of ours could be collected)
+    backend_init_quiet()
 
     mparams = lc.llama_model_default_params()
     mparams.n_gpu_layers = n_gpu_layers
@@ -116,15 +116,15 @@ def capture(model_path: str | Path, prompts: list[str], router_inputs: bool = Fa
     def on_tensor(t_ptr, ask, user_data):
         t = ctypes.cast(t_ptr, ctypes.POINTER(GGMLTensor)).contents
         name = t.name
-        m = _TOPK.match(name)
+        m = TOPK_NAME.match(name)
         if m:
             if not ask:
-                current["topk"][int(m.group(1))] = _tensor_array(ggml, t, np.int32)
+                current["topk"][int(m.group(1))] = tensor_array(ggml, t, np.int32)
             return True
-        m = _NORM.match(name) if router_inputs else None
+        m = NORM_NAME.match(name) if router_inputs else None
         if m:
             if not ask:
-                current["norm"][int(m.group(1))] = _tensor_array(ggml, t, np.float32)
+                current["norm"][int(m.group(1))] = tensor_array(ggml, t, np.float32)
             return True
         return False
 
@@ -148,10 +148,7 @@ def capture(model_path: str | Path, prompts: list[str], router_inputs: bool = Fa
             # every token an output: otherwise the last layer only computes the last token's row
             batch = lc.llama_batch_init(len(toks), 0, 1)
             try:
-                for i, tok in enumerate(toks):
-                    batch.token[i], batch.pos[i], batch.n_seq_id[i] = tok, i, 1
-                    batch.seq_id[i][0], batch.logits[i] = 0, True
-                batch.n_tokens = len(toks)
+                fill_batch(batch, toks, all_logits=True)
                 rc = lc.llama_decode(ctx, batch)
             finally:
                 lc.llama_batch_free(batch)

@@ -29,8 +29,9 @@ from typing import Iterator
 
 import numpy as np
 
-from .. import libggml
-from ..ggml_types import GGMLQuantizationType, is_quantized
+from ggml_expert_pack import libggml
+from ggml_expert_pack.ggml_types import GGMLQuantizationType, is_quantized
+
 from .archs import TensorSpec
 from .config import SynthConfig
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .packer.format import ALIGNMENT, load_manifest
+from ggml_expert_pack.packer.format import ALIGNMENT, load_manifest
 
 ARENA_TAIL_PAD = 64 * 1024  # ggml_expert_pack/src/arena.h
 
@@ -53,9 +53,9 @@ def load_model(model_path, provider=None, n_gpu_layers: int = 0):
     """llama_model_load_from_file with the pack attached and extra buffer types off (docs/ARCHITECTURE.md, trap 10), so that
     stock and the pack run the same kernels; raises RuntimeError with the provider's reason."""
     import llama_cpp as lc
-    from llama_cpp._logger import set_verbose
-    lc.llama_backend_init()
-    set_verbose(False)
+
+    from .lowlevel import backend_init_quiet
+    backend_init_quiet()
     mp = lc.llama_model_default_params()
     mp.use_extra_bufts = False
     mp.n_gpu_layers = n_gpu_layers
@@ -73,7 +73,8 @@ def run(model_path, provider=None, n_ubatch: int = 512, prompt_len: int = 12, n_
     """Prompt (`prompt_len` fixed tokens, one llama_decode) then `n_decode` greedy steps. Extra buffer types
     are off (docs/ARCHITECTURE.md, trap 10) so that stock and the pack run the same kernels."""
     import llama_cpp as lc
-    from .routing.trace import GGMLTensor, _TOPK, _tensor_array
+    from .lowlevel import fill_batch
+    from .routing.trace import TOPK_NAME, GGMLTensor, tensor_array
 
     model = load_model(model_path, provider, n_gpu_layers)
     routing: list[dict] = []
@@ -87,21 +88,21 @@ def run(model_path, provider=None, n_ubatch: int = 512, prompt_len: int = 12, n_
     # GPU (op_offload), which a pack turns off (vendor/patches/0004) -- other kernels, other bits
     cp.op_offload = n_gpu_layers != 0
     if record_routing:
-        from .libggml import lib_dir
+        from ggml_expert_pack.libggml import lib_dir
         ggml = ctypes.CDLL(str(lib_dir() / "libggml-base.so"))
         ggml.ggml_backend_tensor_get.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]
 
         @lc.ggml_backend_sched_eval_callback
         def cb(t_ptr, ask, ud):
             t = ctypes.cast(t_ptr, ctypes.POINTER(GGMLTensor)).contents
-            m = _TOPK.match(t.name)
+            m = TOPK_NAME.match(t.name)
             if not m:
                 return False
             if not ask:
                 layer = int(m.group(1))
                 if not routing or layer in routing[-1]:
                     routing.append({})
-                routing[-1][layer] = _tensor_array(ggml, t, np.int32)
+                routing[-1][layer] = tensor_array(ggml, t, np.int32)
             return True
         cp.cb_eval = cb
     ctx = lc.llama_init_from_model(model, cp)
@@ -114,10 +115,7 @@ def run(model_path, provider=None, n_ubatch: int = 512, prompt_len: int = 12, n_
         out = []
         batch = lc.llama_batch_init(max(prompt_len, 1), 0, 1)
         try:
-            for i, t in enumerate(tokens):
-                batch.token[i], batch.pos[i], batch.n_seq_id[i] = t, i, 1
-                batch.seq_id[i][0], batch.logits[i] = 0, True
-            batch.n_tokens = prompt_len
+            fill_batch(batch, tokens, all_logits=True)
             rc = lc.llama_decode(ctx, batch)
             if rc == 0:
                 for i in range(prompt_len):
@@ -125,9 +123,7 @@ def run(model_path, provider=None, n_ubatch: int = 512, prompt_len: int = 12, n_
                 for step in range(n_decode):
                     nxt = int(np.argmax(out[-1]))
                     tokens.append(nxt)
-                    batch.token[0], batch.pos[0], batch.n_seq_id[0] = nxt, prompt_len + step, 1
-                    batch.seq_id[0][0], batch.logits[0] = 0, True
-                    batch.n_tokens = 1
+                    fill_batch(batch, [nxt], prompt_len + step)
                     rc = lc.llama_decode(ctx, batch)
                     if rc != 0:
                         break
@@ -175,12 +171,9 @@ class Session:
 
     def decode(self, tokens: list[int]) -> int:
         """One llama_decode of `tokens` (logits for the last one); returns its status (0 = success)."""
-        b = self.batch
-        for i, t in enumerate(tokens):
-            b.token[i], b.pos[i], b.n_seq_id[i] = t, self.pos + i, 1
-            b.seq_id[i][0], b.logits[i] = 0, i == len(tokens) - 1
-        b.n_tokens = len(tokens)
-        rc = self.lc.llama_decode(self.ctx, b)
+        from .lowlevel import fill_batch
+        fill_batch(self.batch, tokens, self.pos)
+        rc = self.lc.llama_decode(self.ctx, self.batch)
         self.lc.llama_synchronize(self.ctx)
         if rc == 0:
             self.pos += len(tokens)

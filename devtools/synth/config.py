@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from ..ggml_types import parse_type
+from ggml_expert_pack.ggml_types import parse_type
 
 ARCHS = ("qwen3moe", "deepseek4", "kimi-k3")
 EXPERT_ROLES = ("gate", "up", "down")

@@ -10,9 +10,10 @@ from typing import Callable
 
 import numpy as np
 
-from ..gguf_file import RawKV, read_header
-from ..gguf_stream import KV, GGUFStreamWriter, TensorInfo, fsync_path, kv_i32, kv_u16, split_path
-from ..progress import Progress
+from ggml_expert_pack.gguf_file import RawKV, read_header
+from ggml_expert_pack.gguf_stream import KV, GGUFStreamWriter, TensorInfo, fsync_path, kv_i32, kv_u16, split_path
+from ggml_expert_pack.progress import Progress
+
 from .archs import ARCH_KVS, ARCH_TENSORS, TensorSpec
 from .config import SynthConfig
 from .weights import WeightFactory
@@ -23,9 +24,11 @@ VOCAB_NAME = "ggml-vocab-qwen2.gguf"
 def default_vocab() -> Path:
     """The vocab GGUF the wheel ships (copied from the vendored llama.cpp's models/ by the build); in a
     source checkout, the one in the prepared upstream tree."""
-    pkg = Path(__file__).resolve().parent.parent
+    import ggml_expert_pack
+    pkg = Path(ggml_expert_pack.__file__).parent  # the installed package's data/ (the build puts it there)
+    checkout = Path(__file__).resolve().parents[2]  # devtools/synth/generate.py -> the repository root
     for p in (pkg / "data" / VOCAB_NAME,
-              *sorted((pkg.parent / "vendor" / "upstream").glob(f"*/vendor/llama.cpp/models/{VOCAB_NAME}"))):
+              *sorted((checkout / "vendor" / "upstream").glob(f"*/vendor/llama.cpp/models/{VOCAB_NAME}"))):
         if p.exists():
             return p
     raise FileNotFoundError(f"{VOCAB_NAME} not found (neither packaged nor in vendor/upstream/)")

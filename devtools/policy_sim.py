@@ -104,7 +104,7 @@ def _a0(steps, slots):
 
 
 def _hybrid(steps, slots, n_expert):
-    from .pybind.provider import Policy
+    from ggml_expert_pack.pybind.provider import Policy
     p = Policy(slots, n_expert)
     for step in steps:
         p.step(step)

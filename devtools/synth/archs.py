@@ -10,8 +10,9 @@ from dataclasses import dataclass, field
 
 from gguf import GGUFValueType
 
-from ..ggml_types import GGMLQuantizationType, parse_type
-from ..gguf_stream import KV, kv_arr, kv_bool, kv_f32, kv_str, kv_u32
+from ggml_expert_pack.ggml_types import GGMLQuantizationType, parse_type
+from ggml_expert_pack.gguf_stream import KV, kv_arr, kv_bool, kv_f32, kv_str, kv_u32
+
 from .config import SynthConfig
 
 F32 = GGMLQuantizationType.F32
