@@ -94,6 +94,7 @@ extern "C" void expert_pack_step_done(expert_pack_provider * p, int64_t n_tokens
     if (!p->attached) {
         return;
     }
+    p->timeline.step_done();
     if (p->n_resident > 0 && n_tokens > 0) {
         const int64_t per_layer = std::min<int64_t>(p->man.n_experts, (int64_t) p->n_expert_used * n_tokens);
         p->stats.cache_hits += (uint64_t) per_layer * p->n_resident;

@@ -8,8 +8,12 @@ void step_timeline::new_step() {
     if (!cur_.empty()) {
         std::lock_guard<std::mutex> lk(mu_);
         last_.swap(cur_);
+        last_done_ = done_;
+        last_prev_done_ = prev_done_;
     }
     cur_.clear();
+    prev_done_ = done_;
+    done_ = 0;
 }
 
 step_timeline::layer_marks & step_timeline::begin_layer(int32_t layer, int32_t round) {
@@ -28,8 +32,10 @@ std::string step_timeline::last_json() const {
     }
     const int64_t t0 = last_.front().start;
     auto us = [t0](int64_t t) { return t ? (double) (t - t0) / 1e3 : -1.0; };
-    std::string s = "{\"layers\":[";
     char buf[256];
+    snprintf(buf, sizeof(buf), "{\"prev_done_us\":%.1f,\"done_us\":%.1f,\"layers\":[",
+             last_prev_done_ ? us(last_prev_done_) : -1.0, us(last_done_));
+    std::string s = buf;
     for (size_t i = 0; i < last_.size(); ++i) {
         const auto & l = last_[i];
         snprintf(buf, sizeof(buf), "%s{\"layer\":%d,\"round\":%d,\"start_us\":%.1f,\"plan_us\":%.1f,\"end_us\":%.1f,\"reads\":[",

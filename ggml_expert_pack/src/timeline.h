@@ -33,14 +33,21 @@ public:
 
     // a new step starts: the one before (if any) becomes the last complete step
     void new_step();
+    // the step's graph compute returned (llama.cpp's decode, after its last layer): the device work after the last
+    // acquire, and, from one step's end to the next one's first acquire, the host's time between decodes plus the
+    // device's work before the first MoE layer
+    void step_done() { done_ = now(); }
     // layer `layer` (round `round`) starts acquiring now; its marks (valid until the next begin_layer)
     layer_marks & begin_layer(int32_t layer, int32_t round);
-    // the last complete step as JSON: {"layers": [{"layer", "round", "start_us", "plan_us", "end_us",
-    // "reads": [{"expert", "issue_us", "start_us", "io_us", "hash_us", "copy_us"}]}]}, times from its first start
+    // the last complete step as JSON: {"prev_done_us", "done_us", "layers": [{"layer", "round", "start_us", "plan_us",
+    // "end_us", "reads": [{"expert", "issue_us", "start_us", "io_us", "hash_us", "copy_us"}]}]}, times from its first
+    // start (prev_done_us: the step before's step_done, negative; -1 where unknown)
     std::string last_json() const;
 
 private:
     std::vector<layer_marks> cur_, last_;
+    int64_t done_ = 0, prev_done_ = 0;            // the current step's step_done, the one before's
+    int64_t last_done_ = 0, last_prev_done_ = 0;  // the same for the last complete step
     mutable std::mutex mu_;  // last_ is read by another thread (a stats reader)
 };
 
