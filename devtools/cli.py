@@ -1,5 +1,5 @@
-"""The development subcommands of `expert-pack`: demo, synth, routing-stats, bench-client, policy-sim. The product's
-CLI (ggml_expert_pack/cli.py) registers them, in one place, when this package is installed."""
+"""The development subcommands of `expert-pack`: demo, synth, routing-stats, bench-client, policy-sim, bench. The
+product's CLI (ggml_expert_pack/cli.py) registers them, in one place, when this package is installed."""
 from __future__ import annotations
 
 import argparse
@@ -16,6 +16,8 @@ def add_commands(sub) -> None:
     add_routing_stats(sub)
     add_bench_client(sub)
     add_policy_sim(sub)
+    from .bench.cli import add_bench
+    add_bench(sub)
 
 
 def _kv_list(text: str) -> dict[str, str]:

@@ -19,3 +19,12 @@ def python_c(code: str) -> list[str]:
 def expert_pack_argv() -> list[str]:
     """argv prefix that runs the installed `expert-pack` command (append its arguments)."""
     return python_c("from ggml_expert_pack.cli import main\nsys.exit(main())")
+
+
+def shown(argv: list[str]) -> str:
+    """A command line as a person would type it: expert_pack_argv()'s prefix shown as `expert-pack`."""
+    import shlex
+    pre = expert_pack_argv()
+    if argv[:len(pre)] == pre:
+        argv = ["expert-pack", *argv[len(pre):]]
+    return shlex.join(argv)

@@ -91,8 +91,8 @@ DEV_PACKAGE = "expert_pack_devtools"  # source folder devtools/ (pyproject.toml)
 
 
 def add_dev_commands(sub) -> bool:
-    """demo, synth, routing-stats, bench-client and policy-sim live in the development tooling package, which the
-    wheel ships beside this one; they are registered when it is installed (only then is it imported)."""
+    """demo, synth, routing-stats, bench-client, policy-sim and bench live in the development tooling package, which
+    the wheel ships beside this one; they are registered when it is installed (only then is it imported)."""
     if importlib.util.find_spec(DEV_PACKAGE) is None:
         return False
     importlib.import_module(DEV_PACKAGE + ".cli").add_commands(sub)
@@ -112,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .server.main import add_serve
     add_serve(sub)
     if add_dev_commands(sub):
-        ap.epilog = (f"demo, synth, routing-stats, bench-client and policy-sim are development tooling (the "
+        ap.epilog = (f"demo, synth, routing-stats, bench-client, policy-sim and bench are development tooling (the "
                      f"{DEV_PACKAGE} package).")
     for tool in ("llama-server", "llama-cli", "llama-bench"):  # listed for --help; main() passes them through
         sub.add_parser(tool, add_help=False, help=f"the fork's {tool} (takes --expert-pack DIR and the --expert-* "

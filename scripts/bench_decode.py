@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import mmap
 import os
-import random
 import subprocess
 import sys
 import time
@@ -26,37 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
+from expert_pack_devtools.bench.machine import drop_caches, odirect_bandwidth
 from expert_pack_devtools.proc import expert_pack_argv
-
-
-def drop_caches() -> bool:
-    try:
-        os.sync()
-        Path("/proc/sys/vm/drop_caches").write_text("3\n")
-        return True
-    except OSError:
-        return False
-
-
-def odirect_bandwidth(pack_dir: Path, n_blocks: int = 256, seed: int = 0) -> dict:
-    """Random whole-expert reads from the pack with O_DIRECT, one thread (what a cache miss does)."""
-    from ggml_expert_pack.packer.format import layers_from_manifest, load_manifest
-    m = load_manifest(pack_dir)
-    layers = layers_from_manifest(m)
-    rng = random.Random(seed)
-    size = max(l.read_bytes for l in layers)
-    buf = mmap.mmap(-1, size)
-    fd = os.open(pack_dir / m["pack"]["file"], os.O_RDONLY | os.O_DIRECT)
-    try:
-        total, t0 = 0, time.perf_counter()
-        for _ in range(n_blocks):
-            l = rng.choice(layers)
-            e = rng.randrange(m["n_experts"])
-            total += os.preadv(fd, [memoryview(buf)[:l.read_bytes]], l.expert_offset(e))
-        dt = time.perf_counter() - t0
-    finally:
-        os.close(fd)
-    return {"bytes": total, "seconds": dt, "bytes_per_s": total / dt, "block_bytes": size}
 
 
 def tokenize(model: Path, text: str) -> list[int]:

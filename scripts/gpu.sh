@@ -8,9 +8,9 @@
 #   scripts/gpu.sh test OUT               the test suite, GPU tests included
 #   scripts/gpu.sh bench OUT NAME [ARGS]  a benchmark: python scripts/bench_NAME.py --out OUT ARGS
 #   scripts/gpu.sh all OUT                build, then test
-#   scripts/gpu.sh pipeline OUT [ARGS]   build; the tests (EP_TEST_ARGS: which) while the benchmark model is generated
-#                                         and packed; archs;
-#                                         then scripts/bench_systems.py ARGS -- meant for `start`
+#   scripts/gpu.sh pipeline OUT QUESTION [ARGS]  build; the tests (EP_TEST_ARGS: which) while the benchmark model is
+#                                         generated and packed; archs; then `expert-pack bench run QUESTION ARGS
+#                                         --out OUT/systems` (docs/BENCHMARKS.md) -- meant for `start`
 #   scripts/gpu.sh storage-pipeline OUT [ARGS]  build; the tests while the benchmark model is made in /dev/shm; then
 #                                         scripts/bench_storage.py ARGS (decode vs storage bandwidth) -- for `start`
 #   scripts/gpu.sh collect OUT            everything the detached stages wrote -> OUT/results.tgz (one file back)
@@ -120,12 +120,13 @@ do_pipeline() {
   local out=$1; shift
   timed "$out" build do_build || return 1
   env_site
-  ( $PY scripts/bench_systems.py --out "$out/systems" --prepare-only > "$out/prepare.log" 2>&1; echo "prepare exit $?" >> "$out/prepare.log" ) &
+  [ -n "${1:-}" ] || { log "pipeline needs a question (expert-pack bench list)"; return 2; }
+  ( expert-pack bench run "$@" --out "$out/systems" --prepare-only > "$out/prepare.log" 2>&1; echo "prepare exit $?" >> "$out/prepare.log" ) &
   local prep=$!
   EP_SKIP_ARCHS_TOOL=1 timed "$out" test do_test "$out" -q ${EP_TEST_ARGS:-}
   [ -n "${EP_SKIP_ARCHS:-}" ] || timed "$out" archs do_archs "$out"
   wait $prep
-  timed "$out" bench-systems do_bench "$out/systems" systems "$@"
+  timed "$out" bench-systems expert-pack bench run "$@" --out "$out/systems"
 }
 
 do_storage_pipeline() {
