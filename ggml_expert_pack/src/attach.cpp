@@ -180,6 +180,7 @@ void expert_pack_provider::attach(int n_layer, ggml_backend_dev_t const * layer_
                 L->zero_slot = all_fit ? -1 : (int32_t) slots;
                 L->policy = std::make_unique<hybrid_policy>((int32_t) slots, man.n_experts);
                 L->stage = stages.back().get();
+                L->distinct_ids = !host;  // a GPU's mul_mat_id needs a token's slot ids distinct
                 if (all_fit) {
                     preload(L);
                 }
