@@ -72,6 +72,12 @@ def timeline_summary(tl: dict) -> dict:
     out = {k: float(np.mean([r[k] for r in rows if k in r])) for k in keys}
     out["n_layers"] = len(rows)
     out["step_span"] = (layers[-1]["end_us"] - layers[0]["start_us"]) / 1e3
+    # outside the layers (ms, per step): from the step before's end of compute to the first acquire (the host
+    # between decodes, the device before the first MoE layer), and from the last acquire to the end of compute
+    if tl.get("prev_done_us", -1.0) != -1.0:
+        out["before_first"] = -tl["prev_done_us"] / 1e3
+    if tl.get("done_us", -1.0) > 0:
+        out["after_last"] = (tl["done_us"] - layers[-1]["end_us"]) / 1e3
     return out
 
 
