@@ -87,7 +87,7 @@ def add_inspect(sub) -> None:
 # ---------------------------------------------------------------------------------------------------------
 # development tooling: the one place the product reaches into it
 
-DEV_PACKAGE = "expert_pack_devtools"  # source folder devtools/ (pyproject.toml)
+DEV_PACKAGE = "expert_pack_devtools"  # source folder devtools/expert_pack_devtools/ (pyproject.toml)
 
 
 def add_dev_commands(sub) -> bool:

@@ -26,7 +26,7 @@ def default_vocab() -> Path:
     source checkout, the one in the prepared upstream tree."""
     import ggml_expert_pack
     pkg = Path(ggml_expert_pack.__file__).parent  # the installed package's data/ (the build puts it there)
-    checkout = Path(__file__).resolve().parents[2]  # devtools/synth/generate.py -> the repository root
+    checkout = Path(__file__).resolve().parents[3]  # devtools/expert_pack_devtools/synth/generate.py -> the repository root
     for p in (pkg / "data" / VOCAB_NAME,
               *sorted((checkout / "vendor" / "upstream").glob(f"*/vendor/llama.cpp/models/{VOCAB_NAME}"))):
         if p.exists():

@@ -9,5 +9,5 @@ the design studies use, never imported by the runtime, the packer, the binding o
   bench         the benchmark harness: named system configurations and questions (docs/BENCHMARKS.md)
   cli           the `expert-pack` development subcommands (demo, synth, routing-stats, bench-client, policy-sim)
 
-Installed as `expert_pack_devtools` (source folder devtools/, pyproject.toml).
+Installed as `expert_pack_devtools` (source folder devtools/expert_pack_devtools/, pyproject.toml).
 """
