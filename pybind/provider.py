@@ -23,6 +23,14 @@ STATS_FIELDS = ("cache_hits", "cache_misses", "cache_evictions", "pack_read_byte
                 "predicted_correct")
 
 
+def config_schema() -> list[dict]:
+    """Every configuration key as the C library describes it: name, type, default, help, min/max, values."""
+    n = lib().expert_pack_config_schema(ffi().NULL, 0)
+    buf = ffi().new("char[]", n + 1)
+    lib().expert_pack_config_schema(buf, n + 1)
+    return json.loads(ffi().string(buf).decode())
+
+
 def _err():
     return ffi().new("char[1024]")
 

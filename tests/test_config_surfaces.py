@@ -1,4 +1,4 @@
-"""Every provider configuration key is on every surface: the C library (src/config.cpp), the Python binding
+"""Every provider configuration key is on every surface: the C library (src/config.cpp, through expert_pack_config_schema), the Python binding
 (pybind CONFIG_KEYS), `expert-pack serve`'s flags, the fork's --expert-* flags (vendor/patches), the configuration
 table of docs/ARCHITECTURE.md and the README. A key added to one and forgotten in another fails here."""
 from __future__ import annotations
@@ -12,8 +12,9 @@ PATH_KEYS = {"pack_path", "manifest_path"}
 
 
 def c_keys() -> set[str]:
-    text = (ROOT / "ggml_expert_pack" / "src" / "config.cpp").read_text()
-    keys = set(re.findall(r'key == "([a-z_0-9]+)"', text))
+    """The keys as the C library describes them (expert_pack_config_schema: the one source)."""
+    from ggml_expert_pack.pybind.provider import config_schema
+    keys = {k["name"] for k in config_schema()}
     assert len(keys) >= 10, keys
     return keys
 

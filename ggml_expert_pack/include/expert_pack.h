@@ -28,14 +28,15 @@ typedef struct expert_pack_layer    expert_pack_layer;
 EXPERT_PACK_API const char * expert_pack_version(void);
 
 // ---- configuration and lifetime --------------------------------------------------------------------------
-// The configuration is a JSON object with the keys of docs/ARCHITECTURE.md ("pack_path", "manifest_path",
-// "cache_vram_mib", "cache_vram_reserve_mib", "stage_slots", "read_splits", "read_threads", "direct_io",
-// "stats_path", "stats_flush_interval", "verify_pack_sha256", "ram_cache_mib", "trace_path", "ram_tier_mode",
-// "prefetch"). Unknown keys and bad values
-// are errors naming the key.
+// The configuration is a JSON object with the keys that expert_pack_config_schema lists (docs/ARCHITECTURE.md,
+// "Configuration"). Unknown keys and bad values are errors naming the key.
 
 // 0 if `config_json` is a valid configuration; otherwise -1 and a one-line message in err.
 EXPERT_PACK_API int expert_pack_config_validate(const char * config_json, char * err, size_t err_len);
+// Every configuration key as a JSON array: [{"name", "type" (path|string|size|size_or_auto|int|bool|enum),
+// "default", "help", "min"/"max" (int), "values" (enum)}]. The one description of the configuration, which the
+// bindings, front ends and docs are checked against. Returns the length; copies it (NUL-terminated) when len > it.
+EXPERT_PACK_API size_t expert_pack_config_schema(char * buf, size_t len);
 
 // Open a pack: validate the configuration, the manifest, the pack header and the files, open the pack
 // (O_DIRECT when direct_io). Fails closed: NULL with the cause in err (e.g. a filesystem that refuses

@@ -20,6 +20,14 @@ extern "C" int expert_pack_config_validate(const char * config_json, char * err,
     }
 }
 
+extern "C" size_t expert_pack_config_schema(char * buf, size_t len) {
+    const std::string s = config_schema_json();
+    if (buf && len > s.size()) {
+        memcpy(buf, s.c_str(), s.size() + 1);
+    }
+    return s.size();
+}
+
 extern "C" expert_pack_provider * expert_pack_open(const char * config_json, char * err, size_t err_len) {
     try {
         auto p = std::make_unique<expert_pack_provider>();

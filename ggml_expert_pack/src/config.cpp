@@ -75,6 +75,62 @@ static bool get_bool(const std::string & key, const json & v) {
     return v.get<bool>();
 }
 
+// The keys: the one description of the configuration. The parser dispatches on it, and expert_pack_config_schema
+// hands it to the other surfaces (the Python binding, serve's flags, the fork's flags, the docs' table), whose tests
+// compare themselves with it.
+namespace {
+
+struct key_spec {
+    const char * name;
+    const char * type;     // path, string, size, size_or_auto, int, bool, enum
+    const char * def;      // the default as JSON
+    int32_t lo, hi;        // int: the range
+    const char * values;   // enum: the accepted values, "|"-separated
+    const char * help;
+    void (*set)(config & c, const key_spec & k, const json & v);
+};
+
+const key_spec KEYS[] = {
+    {"pack_path", "path", "\"\"", 0, 0, "", "experts.pack (the Python API and the tools derive it from the pack folder)",
+     [](config & c, const key_spec & k, const json & v) { c.pack_path = get_string(k.name, v, true); }},
+    {"manifest_path", "path", "\"\"", 0, 0, "", "manifest.json (derived from the pack folder likewise)",
+     [](config & c, const key_spec & k, const json & v) { c.manifest_path = get_string(k.name, v, true); }},
+    {"cache_vram_mib", "size", "0", 0, 0, "", "the expert cache's budget on each device, MiB; 0 = all that fits",
+     [](config & c, const key_spec & k, const json & v) { c.cache_vram_mib = get_size_mib(k.name, v, false); }},
+    {"cache_vram_reserve_mib", "size", "1024", 0, 0, "", "left free on each device, MiB",
+     [](config & c, const key_spec & k, const json & v) { c.cache_vram_reserve_mib = get_size_mib(k.name, v, false); }},
+    {"stage_slots", "int", "4", 1, 1024, "", "staging buffers (pinned on a GPU)",
+     [](config & c, const key_spec & k, const json & v) { c.stage_slots = get_int(k.name, v, k.lo, k.hi); }},
+    {"read_splits", "int", "1", 1, 64, "", "reads per expert block (> 1 through staging: the chunked miss path)",
+     [](config & c, const key_spec & k, const json & v) { c.read_splits = get_int(k.name, v, k.lo, k.hi); }},
+    {"read_threads", "int", "4", 1, 64, "", "threads reading one step's misses concurrently",
+     [](config & c, const key_spec & k, const json & v) { c.read_threads = get_int(k.name, v, k.lo, k.hi); }},
+    {"direct_io", "bool", "true", 0, 0, "", "O_DIRECT reads; false = buffered, for comparison only",
+     [](config & c, const key_spec & k, const json & v) { c.direct_io = get_bool(k.name, v); }},
+    {"stats_path", "string", "\"\"", 0, 0, "", "the stats JSON, written every stats_flush_interval steps; \"\" = none",
+     [](config & c, const key_spec & k, const json & v) { c.stats_path = get_string(k.name, v, false); }},
+    {"stats_flush_interval", "int", "64", 1, 1 << 30, "", "steps between writes of the stats file",
+     [](config & c, const key_spec & k, const json & v) { c.stats_flush_interval = get_int(k.name, v, k.lo, k.hi); }},
+    {"verify_pack_sha256", "bool", "true", 0, 0, "", "check each block's XXH3-128 as it is read",
+     [](config & c, const key_spec & k, const json & v) { c.verify_pack_sha256 = get_bool(k.name, v); }},
+    {"ram_cache_mib", "size_or_auto", "0", 0, 0, "", "the host-RAM tier, MiB; 0 = off; \"auto\" = sized at load",
+     [](config & c, const key_spec & k, const json & v) { c.ram_cache_mib = get_size_mib(k.name, v, true); }},
+    {"trace_path", "string", "\"\"", 0, 0, "", "record the router's expert ids per step and layer; \"\" = off",
+     [](config & c, const key_spec & k, const json & v) { c.trace_path = get_string(k.name, v, false); }},
+    {"ram_tier_mode", "enum", "\"spill\"", 0, 0, "spill|victim|inclusive", "what the RAM tier keeps",
+     [](config & c, const key_spec & k, const json & v) {
+         c.ram_tier_mode = get_string(k.name, v, true);
+         if (c.ram_tier_mode != "spill" && c.ram_tier_mode != "victim" && c.ram_tier_mode != "inclusive") {
+             throw std::invalid_argument("expert_pack key 'ram_tier_mode' must be \"spill\", \"victim\" or "
+                                         "\"inclusive\", got \"" + c.ram_tier_mode + "\"");
+         }
+     }},
+    {"prefetch", "bool", "false", 0, 0, "", "read the next layer's predicted experts into the RAM tier (needs ram_cache_mib)",
+     [](config & c, const key_spec & k, const json & v) { c.prefetch = get_bool(k.name, v); }},
+};
+
+}  // namespace
+
 config parse_config(const std::string & json_text) {
     json j;
     try {
@@ -87,30 +143,14 @@ config parse_config(const std::string & json_text) {
     }
     config c;
     for (const auto & [key, v] : j.items()) {
-        if      (key == "pack_path")              c.pack_path = get_string(key, v, true);
-        else if (key == "manifest_path")          c.manifest_path = get_string(key, v, true);
-        else if (key == "cache_vram_mib")         c.cache_vram_mib = get_size_mib(key, v, false);
-        else if (key == "cache_vram_reserve_mib") c.cache_vram_reserve_mib = get_size_mib(key, v, false);
-        else if (key == "stage_slots")            c.stage_slots = get_int(key, v, 1, 1024);
-        else if (key == "read_splits")            c.read_splits = get_int(key, v, 1, 64);
-        else if (key == "read_threads")           c.read_threads = get_int(key, v, 1, 64);
-        else if (key == "direct_io")              c.direct_io = get_bool(key, v);
-        else if (key == "stats_path")             c.stats_path = get_string(key, v, false);
-        else if (key == "stats_flush_interval")   c.stats_flush_interval = get_int(key, v, 1, 1 << 30);
-        else if (key == "verify_pack_sha256")     c.verify_pack_sha256 = get_bool(key, v);
-        else if (key == "ram_cache_mib")          c.ram_cache_mib = get_size_mib(key, v, true);
-        else if (key == "trace_path")             c.trace_path = get_string(key, v, false);
-        else if (key == "prefetch")               c.prefetch = get_bool(key, v);
-        else if (key == "ram_tier_mode") {
-            c.ram_tier_mode = get_string(key, v, true);
-            if (c.ram_tier_mode != "spill" && c.ram_tier_mode != "victim" && c.ram_tier_mode != "inclusive") {
-                throw std::invalid_argument("expert_pack key 'ram_tier_mode' must be \"spill\", \"victim\" or \"inclusive\", got \"" +
-                                            c.ram_tier_mode + "\"");
-            }
+        const key_spec * spec = nullptr;
+        for (const auto & k : KEYS) {
+            if (key == k.name) spec = &k;
         }
-        else {
+        if (!spec) {
             throw std::invalid_argument("unknown expert_pack key '" + key + "'");
         }
+        spec->set(c, *spec, v);
     }
     if (c.prefetch && c.ram_cache_mib == 0) {
         throw std::invalid_argument("expert_pack key 'prefetch' needs the host-RAM tier: prefetched experts land in its "
@@ -123,6 +163,26 @@ config parse_config(const std::string & json_text) {
         throw std::invalid_argument("expert_pack key 'manifest_path' is required");
     }
     return c;
+}
+
+std::string config_schema_json() {
+    json out = json::array();
+    for (const auto & k : KEYS) {
+        json e = {{"name", k.name}, {"type", k.type}, {"default", json::parse(k.def)}, {"help", k.help}};
+        if (std::string(k.type) == "int") {
+            e["min"] = k.lo;
+            e["max"] = k.hi;
+        }
+        if (*k.values) {
+            json vals = json::array();
+            std::string rest = k.values;
+            for (size_t at; (at = rest.find('|')) != std::string::npos; rest = rest.substr(at + 1)) vals.push_back(rest.substr(0, at));
+            vals.push_back(rest);
+            e["values"] = vals;
+        }
+        out.push_back(e);
+    }
+    return out.dump();
 }
 
 std::string config::to_json() const {

@@ -38,4 +38,7 @@ struct config {
 // Throws std::invalid_argument with a one-line message naming the key.
 config parse_config(const std::string & json_text);
 
+// Every key as JSON: [{"name", "type", "default", "help", "min"/"max" (int), "values" (enum)}] (expert_pack_config_schema).
+std::string config_schema_json();
+
 }  // namespace expert_pack
