@@ -31,6 +31,20 @@ def _error(message: str, status: int = 400, param: str | None = None, code: str 
     return Response(json.dumps(body), status=status, mimetype="application/json")
 
 
+def _llama_error(message: str, status: int, kind: str) -> Response:
+    """llama-server's own error body (format_error_response), for the refusals that copy its words."""
+    body = {"error": {"code": status, "message": message, "type": kind}}
+    return Response(json.dumps(body), status=status, mimetype="application/json")
+
+
+class LlamaError(Exception):
+    """A refusal in llama-server's words and body (e.g. 501 not_supported_error)."""
+
+    def __init__(self, message: str, status: int = 501, kind: str = "not_supported_error"):
+        super().__init__(message)
+        self.status, self.kind = status, kind
+
+
 # --- request parsing: strict types, the parameter named in every complaint -----------------------------------
 
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # the only way a JSON text can carry a UTF-16 surrogate
@@ -133,6 +147,85 @@ def _stop(body: dict) -> list[str]:
     raise RequestError("'stop' must be a string or a list of at most 16 strings", "stop")
 
 
+def _logit_bias(engine: Engine, body: dict) -> dict[int, float] | None:
+    """llama-server's logit_bias: an object {"token id" or "text": bias} (OpenAI's form) or a list of [token id or
+    text, bias] pairs; a bias of false bans the token; a text's tokens all get the bias; ids out of the vocabulary
+    and malformed entries are skipped, as llama-server skips them."""
+    lb = body.get("logit_bias")
+    if lb is None:
+        return None
+    if isinstance(lb, dict):
+        pairs = list(lb.items())
+    elif isinstance(lb, list):
+        pairs = [tuple(el) for el in lb if isinstance(el, list) and len(el) == 2]
+    else:
+        raise RequestError("'logit_bias' must be an object {token: bias} or a list of [token, bias] pairs",
+                           "logit_bias")
+    n_vocab = engine.llm.n_vocab()
+    out: dict[int, float] = {}
+    for key, v in pairs:
+        if v is False:
+            bias = float("-inf")
+        elif isinstance(v, (int, float)) and not isinstance(v, bool):
+            bias = float(v)
+        else:
+            continue
+        if isinstance(key, str) and re.fullmatch(r"[+-]?\d+", key.strip() or "x") and isinstance(lb, dict):
+            ids = [int(key)]
+        elif isinstance(key, int) and not isinstance(key, bool):
+            ids = [key]
+        elif isinstance(key, str):
+            ids = engine.tokenize(key, add_special=False)
+        else:
+            continue
+        for t in ids:
+            if 0 <= t < n_vocab:
+                out[t] = bias
+    return out or None
+
+
+def _grammar(engine: Engine, body: dict, chat: bool) -> str | None:
+    """GBNF text from 'grammar', 'json_schema' or (chat) 'response_format', as llama-server reads them: json_schema
+    wins over grammar on /completion, both at once is refused on chat; response_format {"type": "json_object"}
+    (any object, or its 'schema') or {"type": "json_schema", "json_schema": {"schema": ...}}."""
+    from llama_cpp.llama_grammar import LlamaGrammar
+    grammar = _get(body, "grammar", str, None) or None
+    schema = body.get("json_schema")
+    if schema is not None and not isinstance(schema, (dict, bool)):
+        raise RequestError("'json_schema' must be a JSON schema (an object)", "json_schema")
+    if chat:
+        if schema is not None and grammar is not None:
+            raise RequestError("Cannot use both json_schema and grammar", "grammar")
+        rf = body.get("response_format")
+        if rf is not None:
+            if not isinstance(rf, dict):
+                raise RequestError("'response_format' must be an object", "response_format")
+            kind = rf.get("type") or ""
+            if kind == "json_object":
+                if "schema" in rf or not schema:
+                    schema = rf.get("schema") or {}
+            elif kind == "json_schema":
+                wrapper = rf.get("json_schema") or {}
+                schema = wrapper.get("schema", {}) if isinstance(wrapper, dict) else {}
+            elif kind != "text":
+                raise RequestError('response_format type must be one of "text" or "json_object", but got: '
+                                   + str(kind), "response_format")
+            if not isinstance(schema, (dict, bool)):
+                raise RequestError("'response_format': the schema must be an object", "response_format")
+    elif grammar is not None:
+        schema = None  # llama-server's /completion: json_schema only counts without a grammar
+    if schema is not None:
+        if schema == {}:
+            schema = {"type": "object"}  # an empty schema means any object
+        try:
+            grammar = LlamaGrammar.from_json_schema(json.dumps(schema), verbose=False)._grammar
+        except Exception as e:  # noqa: BLE001 - the converter raises several kinds on a schema it cannot take
+            raise RequestError(f'"json_schema": {e}', "response_format" if chat else "json_schema") from None
+    if grammar is not None:
+        engine.check_grammar(grammar, "grammar")
+    return grammar
+
+
 # llama-server's defaults for what a request does not say (serve's -n, --seed, --temp, --top-k, --top-p, --min-p,
 # --repeat-penalty change them); n_predict and seed -1: unlimited (to the end of the context), random
 DEFAULTS = {"n_predict": -1, "seed": -1, "temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05,
@@ -156,16 +249,18 @@ def _sampling(body: dict, d: dict, temperature_hi: float | None = None) -> dict:
 
 def create_app(engine: Engine, *, model_path: str = "", stats=None, names: tuple[str, ...] = (),
                defaults: dict | None = None, api_keys: tuple[str, ...] = (), webui: bool = True,
-               start_time: int | None = None) -> Flask:
-    """`stats()` -> the expert-pack counters (dict), or None when no pack is used. Requests may name the model by its
-    alias, its file's name or path, or any of `names`. `defaults` overrides DEFAULTS for requests that do not say;
+               start_time: int | None = None, slots: bool = True) -> Flask:
+    """`stats()` -> the expert-pack counters (dict), or None when no pack is used. A request's `model` may name
+    anything: the loaded model serves it, as llama-server does (`names`, the alias and the file are kept for
+    compatibility). `defaults` overrides DEFAULTS for requests that do not say;
     with `api_keys`, every endpoint but PUBLIC's needs one of them (401 otherwise); `webui=False` drops the chat
-    page; every response carries `Process-Start-Time-Unix: start_time` (now, if not given)."""
+    page; `slots=False` answers /slots with llama-server's 501; every response carries
+    `Process-Start-Time-Unix: start_time` (now, if not given). Embeddings are served when the engine's context was
+    made with them (serve --embedding), else llama-server's 501."""
     app = Flask(__name__, static_folder=None)
     app.config["JSON_SORT_KEYS"] = False
     app.config["engine"] = engine
     started = int(time.time()) if start_time is None else int(start_time)
-    accepted = {engine.alias, Path(model_path).name, model_path, *names}
     d = {**DEFAULTS, **(defaults or {})}
     default_n = None if d["n_predict"] < 0 else d["n_predict"]
 
@@ -187,10 +282,8 @@ def create_app(engine: Engine, *, model_path: str = "", stats=None, names: tuple
         return resp
 
     def check_model(body: dict) -> None:
-        name = _get(body, "model", str, None)
-        if name is not None and name not in accepted:
-            raise RequestError(f"The model '{name}' does not exist; this server serves '{engine.alias}'", "model",
-                               status=404, code="model_not_found")
+        # llama-server serves whatever model a request names with the one it has loaded (no 404)
+        _get(body, "model", str, None)
 
     def disconnected():
         probe = request.environ.get("waitress.client_disconnected")
@@ -199,6 +292,10 @@ def create_app(engine: Engine, *, model_path: str = "", stats=None, names: tuple
     @app.errorhandler(RequestError)
     def on_request_error(e: RequestError):
         return _error(str(e), e.status, e.param, e.code)
+
+    @app.errorhandler(LlamaError)
+    def on_llama_error(e: LlamaError):
+        return _llama_error(str(e), e.status, e.kind)
 
     @app.errorhandler(Cancelled)
     def on_cancelled(e: Cancelled):
@@ -246,18 +343,28 @@ def create_app(engine: Engine, *, model_path: str = "", stats=None, names: tuple
         return {"object": "list", "data": [{"id": engine.alias, "object": "model", "created": started,
                                             "owned_by": "expert-pack"}]}
 
-    def prompt_tokens(body: dict, one_string_list: bool) -> list[int]:
-        """'prompt' as text or token ids (checked); OpenAI also allows a list holding one string."""
-        p = body.get("prompt")
-        if one_string_list and isinstance(p, list) and len(p) == 1 and isinstance(p[0], str):
-            p = p[0]
-        if isinstance(p, str):
-            return engine.tokenize(p)
-        if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
-            engine.detokenize(p)  # validates the ids
-            return list(p)
-        raise RequestError("'prompt' must be a string, " + ("a list of one string, " if one_string_list else "")
-                           + "or a list of token ids", "prompt")
+    def prompts_of(body: dict, key: str = "prompt") -> list[list[int]]:
+        """llama-server's tokenize_input_prompts: a string, a list of token ids, a list of strings and token ids
+        (mixed), {"prompt_string": ...}, or a list of those (several prompts)."""
+        p = body.get(key)
+        if p is None:
+            raise RequestError(f'"{key}" is required', key)
+
+        def one(x, where):
+            if isinstance(x, dict):
+                if "multimodal_data" in x:
+                    raise RequestError("Multimodal data provided, but model does not support multimodal requests.",
+                                       key)
+                if "prompt_string" not in x:
+                    raise RequestError(f"'{where}' must be a string, a list of tokens, a JSON object containing a "
+                                       "prompt string, or a list of mixed strings & tokens", key)
+                x = x["prompt_string"]
+            return engine.tokenize_mixed(x, key)
+        if isinstance(p, list) and not any(isinstance(x, int) and not isinstance(x, bool) for x in p):
+            if not p:
+                raise RequestError(f'"{key}" must not be empty', key)
+            return [one(x, f"{key}[{i}]") for i, x in enumerate(p)]
+        return [one(p, key)]
 
     def max_tokens_of(body: dict, default):
         mt = _get(body, "max_completion_tokens", int, None, lo=0)
@@ -265,50 +372,89 @@ def create_app(engine: Engine, *, model_path: str = "", stats=None, names: tuple
             mt = _get(body, "max_tokens", int, default, lo=0)
         return mt
 
+    def extras(body: dict, chat: bool = False) -> dict:
+        """logit_bias and the grammar (grammar, json_schema, response_format) of a request."""
+        return dict(logit_bias=_logit_bias(engine, body), grammar=_grammar(engine, body, chat))
+
+    def run_all(prompts, budgets, kw):
+        """One generation per prompt, in turn (one lane): (index, prompt, Result, pieces iterator), made lazily
+        (a stream runs them after the request context is gone: what they need of it is taken now)."""
+        environ, gone = request.environ, disconnected()
+        n_prompt = sum(len(p) for p in prompts)
+
+        def gen():
+            for i, (prompt, n) in enumerate(zip(prompts, budgets)):
+                r = Result()
+                environ["expert_pack.usage"] = (n_prompt, r)
+                yield i, prompt, r, engine.generate(prompt, n, r, cancelled=gone, **kw)
+        return gen()
+
     @app.post("/v1/completions")
-    @app.post("/completions")
     def completions():
         body = _body()
         check_model(body)
-        prompt = prompt_tokens(body, one_string_list=True)
-        n = engine.check_budget(len(prompt), max_tokens_of(body, None), "max_tokens", default_n)
-        kw = dict(_sampling(body, d, 2), stop=_stop(body))
+        if _get(body, "echo", bool, False):
+            raise RequestError("Only no echo is supported", "echo")
+        for name in ("best_of", "suffix"):
+            if name in body:
+                raise RequestError(f"Unsupported param: {name}", name)
+        prompts = prompts_of(body)
+        n_asked = _get(body, "n_predict", int, None, lo=-1)  # llama-server's n_predict wins over max_tokens
+        asked = max_tokens_of(body, None) if n_asked is None else (None if n_asked == -1 else n_asked)
+        budgets = [engine.check_budget(len(p), asked, "max_tokens", default_n) for p in prompts]
+        kw = dict(_sampling(body, d, 2), stop=_stop(body), ignore_eos=_get(body, "ignore_eos", bool, False),
+                  **extras(body))
         stream = _get(body, "stream", bool, False)
         cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
 
-        def chunk(text, finish):
+        def chunk(i, text, finish):
             return {"id": cid, "object": "text_completion", "created": created, "model": engine.alias,
-                    "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]}
+                    "choices": [{"index": i, "text": text, "logprobs": None, "finish_reason": finish}]}
 
-        r = Result()
-        request.environ["expert_pack.usage"] = (len(prompt), r)
-        pieces = engine.generate(prompt, n, r, cancelled=disconnected(), **kw)
+        runs = run_all(prompts, budgets, kw)
         if not stream:
-            for _ in pieces:
-                pass
-            out = chunk(r.text, r.finish_reason or "length")
-            out["usage"] = _usage(prompt, r)
+            choices, results = [], []
+            for i, prompt, r, pieces in runs:
+                for _ in pieces:
+                    pass
+                choices.append(chunk(i, r.text, _finish(r))["choices"][0])
+                results.append((prompt, r))
+            out = chunk(0, "", None)
+            out["choices"] = choices
+            out["usage"] = _usage_all(results)
+            out["timings"] = results[-1][1].timings.as_dict()
             return out
 
         def events():
-            for piece in pieces:
-                yield chunk(piece, None)
-            last = chunk("", r.finish_reason or "length")
-            last["usage"] = _usage(prompt, r)
-            yield last
+            results = []
+            for i, prompt, r, pieces in runs:
+                for piece in pieces:
+                    yield chunk(i, piece, None)
+                results.append((prompt, r))
+                last = chunk(i, "", _finish(r))
+                last["timings"] = r.timings.as_dict()
+                if i == len(prompts) - 1:
+                    last["usage"] = _usage_all(results)
+                yield last
         return _sse_done(sse(events()))
 
-    @app.post("/v1/chat/completions")
-    @app.post("/chat/completions")
-    def chat_completions():
-        body = _body()
-        check_model(body)
+    def chat_request(body: dict) -> tuple[str, list[str]]:
+        """The prompt text and the template's stop strings of a chat request, as llama-server's
+        oaicompat_chat_params_parse reads messages, add_generation_prompt and continue_final_message (a trailing
+        assistant message is continued: the assistant prefill)."""
         messages = body.get("messages")
+        if messages is None:
+            raise RequestError("'messages' is required", "messages")
         if not isinstance(messages, list) or not messages:
             raise RequestError("'messages' must be a non-empty list", "messages")
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or not isinstance(m.get("role"), str):
                 raise RequestError(f"messages[{i}] must be an object with a string 'role'", f"messages[{i}]")
+            if m["role"] != "assistant" and "content" not in m:
+                raise RequestError("All non-assistant messages must contain 'content'", f"messages[{i}]")
+            if m["role"] == "assistant" and "content" not in m and "tool_calls" not in m:
+                raise RequestError("Assistant message must contain either 'content' or 'tool_calls'!",
+                                   f"messages[{i}]")
             c = m.get("content")
             if isinstance(c, list):  # content parts: keep the text ones
                 if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
@@ -317,13 +463,33 @@ def create_app(engine: Engine, *, model_path: str = "", stats=None, names: tuple
                 messages[i] = {**m, "content": "".join(p["text"] for p in c)}
             elif not isinstance(c, str) and c is not None:
                 raise RequestError(f"messages[{i}].content must be a string", f"messages[{i}]")
-        text, template_stop = engine.chat_prompt(messages)
+        add_gen = _get(body, "add_generation_prompt", bool, True)
+        cfm = body.get("continue_final_message")
+        cont = cfm is True or cfm in ("content", "reasoning_content")
+        if not cont and messages[-1]["role"] == "assistant":  # llama-server's prefill_assistant (on by default)
+            if len(messages) >= 2 and messages[-2]["role"] == "assistant":
+                raise RequestError("Cannot have 2 or more assistant messages at the end of the list.", "messages")
+            cont, add_gen = True, False
+        if cont and add_gen:
+            raise RequestError("Cannot set both add_generation_prompt and continue_final_message to true.",
+                               "continue_final_message")
+        if cont and messages[-1]["role"] == "assistant" and messages[-1].get("tool_calls"):
+            raise RequestError("Cannot continue an assistant message that contains tool calls.",
+                               "continue_final_message")
+        return engine.chat_prompt(messages, add_generation_prompt=add_gen, continue_final=cont)
+
+    @app.post("/v1/chat/completions")
+    @app.post("/chat/completions")
+    def chat_completions():
+        body = _body()
+        check_model(body)
+        text, template_stop = chat_request(body)
         prompt = engine.tokenize(text, add_special=False)
         if prompt and engine.llm.token_bos() >= 0 and engine.llm._model.add_bos_token() and \
                 prompt[0] != engine.llm.token_bos():
             prompt = [engine.llm.token_bos()] + prompt
         n = engine.check_budget(len(prompt), max_tokens_of(body, None), "max_tokens", default_n)
-        kw = dict(_sampling(body, d, 2), stop=_stop(body) + template_stop)
+        kw = dict(_sampling(body, d, 2), stop=_stop(body) + template_stop, **extras(body, chat=True))
         stream = _get(body, "stream", bool, False)
         cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         r = Result()
@@ -335,7 +501,7 @@ def create_app(engine: Engine, *, model_path: str = "", stats=None, names: tuple
                 pass
             return {"id": cid, "object": "chat.completion", "created": created, "model": engine.alias,
                     "choices": [{"index": 0, "message": {"role": "assistant", "content": r.text},
-                                 "logprobs": None, "finish_reason": r.finish_reason or "length"}],
+                                 "logprobs": None, "finish_reason": _finish(r)}],
                     "usage": _usage(prompt, r), "timings": r.timings.as_dict()}
 
         def chunk(delta, finish):
@@ -346,63 +512,164 @@ def create_app(engine: Engine, *, model_path: str = "", stats=None, names: tuple
             yield chunk({"role": "assistant", "content": ""}, None)
             for piece in pieces:
                 yield chunk({"content": piece}, None)
-            last = chunk({}, r.finish_reason or "length")
+            last = chunk({}, _finish(r))
             last["usage"] = _usage(prompt, r)
             last["timings"] = r.timings.as_dict()
             yield last
         return _sse_done(sse(events()))
 
+    @app.post("/apply-template")
+    def apply_template():
+        body = _body()
+        text, _ = chat_request(body)
+        return {"prompt": text}
+
     # --- llama-server ----------------------------------------------------------------------------------------
     @app.post("/completion")
+    @app.post("/completions")
     @app.post("/completions/llama")
     def llama_completion():
         body = _body()
-        prompt = prompt_tokens(body, one_string_list=False)
+        prompts = prompts_of(body)
         asked = _get(body, "n_predict", int, None, lo=-1)  # -1: to the end of the context; none: the server's -n
-        n = engine.check_budget(len(prompt), None if asked is None or asked == -1 else asked, "n_predict",
-                                default_n if asked is None else None)
+        budgets = [engine.check_budget(len(p), None if asked is None or asked == -1 else asked, "n_predict",
+                                       default_n if asked is None else None) for p in prompts]
         n_predict = d["n_predict"] if asked is None else asked
-        kw = dict(_sampling(body, d), stop=_stop(body), ignore_eos=_get(body, "ignore_eos", bool, False))
+        kw = dict(_sampling(body, d), stop=_stop(body), ignore_eos=_get(body, "ignore_eos", bool, False),
+                  **extras(body))
+        settings = {"n_predict": n_predict, **{k: v for k, v in kw.items() if k not in ("logit_bias", "grammar")},
+                    "logit_bias": [[t, b if b != float("-inf") else False] for t, b in (kw["logit_bias"] or {}).items()],
+                    "grammar": kw["grammar"] or "", "n_ctx": engine.n_ctx}
         stream = _get(body, "stream", bool, False)
-        r = Result()
-        request.environ["expert_pack.usage"] = (len(prompt), r)
-        pieces = engine.generate(prompt, n, r, cancelled=disconnected(), **kw)
 
-        def final(content):
-            return {"content": content, "stop": True, "model": engine.alias, "tokens_predicted": r.timings.predicted_n,
-                    "tokens_evaluated": len(prompt), "stop_type": _stop_type(r), "stopped_eos":
-                    _stop_type(r) == "eos", "stopped_word": bool(r.stopping_word), "stopped_limit":
-                    r.finish_reason == "length", "stopping_word": r.stopping_word, "tokens_cached": len(prompt)
-                    + r.timings.predicted_n, "generation_settings": {"n_predict": n_predict, **kw,
-                                                                     "n_ctx": engine.n_ctx},
+        def final(i, prompt, r, content):
+            st = _stop_type(r)
+            return {"index": i, "content": content, "tokens": [], "id_slot": 0, "stop": True, "model": engine.alias,
+                    "tokens_predicted": r.timings.predicted_n, "tokens_evaluated": len(prompt),
+                    "generation_settings": settings, "prompt": engine.llm.detokenize(prompt).decode("utf-8", "replace"),
+                    "has_new_line": "\n" in r.text, "truncated": False, "stop_type": st,
+                    "stopped_eos": st == "eos", "stopped_word": st == "word", "stopped_limit": st == "limit",
+                    "stopping_word": r.stopping_word, "tokens_cached": len(prompt) + r.timings.predicted_n,
                     "timings": r.timings.as_dict()}
 
+        runs = run_all(prompts, budgets, kw)
         if not stream:
-            for _ in pieces:
-                pass
-            return final(r.text)
+            out = []
+            for i, prompt, r, pieces in runs:
+                for _ in pieces:
+                    pass
+                out.append(final(i, prompt, r, r.text))
+            return out[0] if len(out) == 1 else Response(json.dumps(out), mimetype="application/json")
 
         def events():
-            for piece in pieces:
-                yield {"content": piece, "stop": False}
-            yield final("")
+            for i, prompt, r, pieces in runs:
+                for piece in pieces:
+                    yield {"index": i, "content": piece, "tokens": [], "stop": False, "id_slot": 0,
+                           "tokens_predicted": r.timings.predicted_n, "tokens_evaluated": len(prompt)}
+                yield final(i, prompt, r, "")
         return sse(events())
 
     @app.post("/tokenize")
     def tokenize():
         body = _body()
-        content = _get(body, "content", str, None)
-        if content is None:
-            raise RequestError("'content' (a string) is required", "content")
-        return {"tokens": engine.tokenize(content, add_special=_get(body, "add_special", bool, False))}
+        if "content" not in body:
+            return {"tokens": []}  # llama-server's answer to no content
+        add_special = _get(body, "add_special", bool, False)
+        parse_special = _get(body, "parse_special", bool, True)
+        tokens = engine.tokenize_mixed(body["content"], "content", add_special, parse_special)
+        if not _get(body, "with_pieces", bool, False):
+            return {"tokens": tokens}
+        out = []
+        for t in tokens:
+            raw = engine.piece(t)
+            try:
+                piece = raw.decode("utf-8")
+            except UnicodeDecodeError:  # part of a character: its bytes, as llama-server gives them
+                piece = list(raw)
+            out.append({"id": t, "piece": piece})
+        return {"tokens": out}
 
     @app.post("/detokenize")
     def detokenize():
         body = _body()
-        tokens = body.get("tokens")
+        tokens = body.get("tokens", [])
         if not isinstance(tokens, list):
             raise RequestError("'tokens' must be a list of token ids", "tokens")
         return {"content": engine.detokenize(tokens)}
+
+    @app.get("/slots")
+    def get_slots():
+        if not slots:
+            raise LlamaError("This server does not support slots endpoint. Start it with `--slots`")
+        if request.args.get("fail_on_no_slot") and engine.busy:
+            raise LlamaError("no slot available", 503, "unavailable_error")
+        slot = {"id": 0, "n_ctx": engine.n_ctx, "speculative": False, "is_processing": engine.busy}
+        r = engine.last
+        if r is not None:
+            n = r.timings.predicted_n
+            slot.update({"id_task": engine.n_tasks - 1, "n_prompt_tokens": r.n_prompt,
+                         "n_prompt_tokens_processed": r.timings.prompt_n, "n_prompt_tokens_cache": r.timings.cache_n,
+                         "params": {k: v for k, v in r.params.items()},
+                         "next_token": [{"has_next_token": not r.done, "has_new_line": "\n" in r.text,
+                                         "n_remain": max(0, r.max_tokens - n), "n_decoded": n}]})
+        return Response(json.dumps([slot]), mimetype="application/json")
+
+    # --- embeddings ------------------------------------------------------------------------------------------
+    def embeddings(oai: bool):
+        import llama_cpp
+        if not engine.embedding:
+            raise LlamaError("This server does not support embeddings. Start it with `--embeddings`")
+        pooled = engine.llm.pooling_type() != llama_cpp.LLAMA_POOLING_TYPE_NONE
+        if oai and not pooled:
+            raise RequestError("Pooling type 'none' is not OAI compatible. Please use a different pooling type")
+        body = _body()
+        if "input" in body:
+            key = "input"
+        elif "content" in body:
+            key, oai = "content", False  # "content" is not OpenAI's: llama-server answers its own shape
+        else:
+            raise RequestError('"input" or "content" must be provided')
+        fmt = _get(body, "encoding_format", str, "float")
+        if fmt not in ("float", "base64"):
+            raise RequestError("The format to return the embeddings in. Can be either float or base64",
+                               "encoding_format")
+        norm = _get(body, "embd_normalize", int, 2)
+        inputs = prompts_of(body, key)
+        n_ubatch = engine.llm.context_params.n_ubatch
+        for tokens in inputs:
+            if not tokens:
+                raise RequestError("Input content cannot be empty", key)
+            if len(tokens) > min(n_ubatch, engine.llm.n_batch):
+                raise RequestError(f"input ({len(tokens)} tokens) is too large to process. increase the physical "
+                                   f"batch size (current batch size: {min(n_ubatch, engine.llm.n_batch)})", key)
+            if len(tokens) > engine.n_ctx:
+                raise RequestError(f"input ({len(tokens)} tokens) is larger than the max context size "
+                                   f"({engine.n_ctx} tokens). skipping", key, code="context_length_exceeded")
+        vectors = engine.embed(inputs, norm)
+        if not oai:
+            return Response(json.dumps([{"index": i, "embedding": v} for i, v in enumerate(vectors)]),
+                            mimetype="application/json")
+        import base64
+        import struct
+        data = []
+        for i, v in enumerate(vectors):
+            if fmt == "base64":
+                blob = base64.b64encode(struct.pack(f"<{len(v[0])}f", *v[0])).decode()
+                data.append({"embedding": blob, "index": i, "object": "embedding", "encoding_format": "base64"})
+            else:
+                data.append({"embedding": v[0], "index": i, "object": "embedding"})
+        n = sum(len(t) for t in inputs)
+        return {"model": body.get("model") if isinstance(body.get("model"), str) else engine.alias,
+                "object": "list", "usage": {"prompt_tokens": n, "total_tokens": n}, "data": data}
+
+    @app.post("/embedding")
+    @app.post("/embeddings")
+    def llama_embeddings():
+        return embeddings(False)
+
+    @app.post("/v1/embeddings")
+    def oai_embeddings():
+        return embeddings(True)
 
     @app.get("/health")
     @app.get("/v1/health")
@@ -432,7 +699,20 @@ def create_app(engine: Engine, *, model_path: str = "", stats=None, names: tuple
 
 def _usage(prompt: list[int], r: Result) -> dict:
     return {"prompt_tokens": len(prompt), "completion_tokens": r.timings.predicted_n,
-            "total_tokens": len(prompt) + r.timings.predicted_n}
+            "total_tokens": len(prompt) + r.timings.predicted_n,
+            "prompt_tokens_details": {"cached_tokens": r.timings.cache_n}}
+
+
+def _usage_all(results: list[tuple[list[int], Result]]) -> dict:
+    """The usage of several prompts' generations together."""
+    n_prompt = sum(len(p) for p, _ in results)
+    n_gen = sum(r.timings.predicted_n for _, r in results)
+    return {"prompt_tokens": n_prompt, "completion_tokens": n_gen, "total_tokens": n_prompt + n_gen,
+            "prompt_tokens_details": {"cached_tokens": sum(r.timings.cache_n for _, r in results)}}
+
+
+def _finish(r: Result) -> str:
+    return r.finish_reason or "length"
 
 
 def _stop_type(r: Result) -> str:

@@ -147,7 +147,8 @@ def add_serve(sub) -> None:
         p = sub.add_parser(
             "serve", help="serve a model over HTTP: OpenAI /v1 endpoints, llama-server's /completion, a chat page",
             description="Serve a model over HTTP, a drop-in for llama-server: /v1/chat/completions, /v1/completions, "
-                        "/v1/models, /completion (with timings), /tokenize, /detokenize, /health, /props, /metrics, "
+                        "/v1/models, /completion (with timings), /tokenize, /detokenize, /apply-template, /slots, "
+                        "/v1/embeddings and /embedding (with --embedding), /health, /props, /metrics, "
                         "and a chat page at /. One generation runs at a time; others wait in arrival order. The port "
                         "is bound before the model loads; until it is loaded every request gets 503. Each request "
                         "is logged as one line on stderr. Ctrl-C or SIGTERM cancels the running generation, frees "
@@ -240,6 +241,15 @@ def add_serve(sub) -> None:
                    help="accepted for llama-server's command lines: /metrics is always served")
     p.add_argument("--no-webui", "--no-ui", dest="webui", action="store_false",
                    help="no chat page at / (it answers 404)")
+    p.add_argument("--slots", dest="slots", action="store_true", default=True,
+                   help="serve GET /slots, the one slot's state (the default, as llama-server's)")
+    p.add_argument("--no-slots", dest="slots", action="store_false",
+                   help="no /slots: it answers llama-server's 501")
+    p.add_argument("--embedding", "--embeddings", dest="embedding", action="store_true",
+                   help="serve /v1/embeddings and /embedding(s) (llama-server's flag; generation still works)")
+    p.add_argument("--pooling", choices=("none", "mean", "cls", "last"), default=None,
+                   help="pooling of the embeddings (default: the model's; 'none' gives one vector per token, on "
+                        "/embedding only, as llama-server)")
     p.add_argument("--verbose", action="store_true", help="llama.cpp's own logging")
     p.set_defaults(func=cmd_serve)
 
@@ -329,6 +339,11 @@ def check_stats_file(text: str) -> None:
         raise ValueError(f"--stats-file {text}: cannot write in {parent}")
 
 
+def check_embedding_flags(args) -> None:
+    if args.pooling is not None and not args.embedding:
+        raise ValueError(f"--pooling {args.pooling} needs --embedding")
+
+
 def pack_config(args) -> dict | None:
     if not args.expert_pack:
         for flag in PACK_FLAGS:
@@ -384,6 +399,7 @@ class Plan:
             raise ValueError("--alias must not be empty")
         if args.stats_file is not None:
             check_stats_file(args.stats_file)
+        check_embedding_flags(args)
         self.cfg = pack_config(args)
         if self.cfg is not None:
             validate_pack_config(self.cfg)
@@ -416,6 +432,13 @@ def load(args, plan: Plan | None = None):
         kw["n_threads"] = args.threads
     if plan.cfg is not None:
         kw["expert_pack"] = plan.cfg
+    if getattr(args, "embedding", False):
+        import llama_cpp
+        kw["embedding"] = True
+        if args.pooling is not None:
+            kw["pooling_type"] = {"none": llama_cpp.LLAMA_POOLING_TYPE_NONE, "mean": llama_cpp.LLAMA_POOLING_TYPE_MEAN,
+                                  "cls": llama_cpp.LLAMA_POOLING_TYPE_CLS,
+                                  "last": llama_cpp.LLAMA_POOLING_TYPE_LAST}[args.pooling]
     try:
         return Llama(**kw)
     except (ValueError, RuntimeError) as e:
@@ -444,7 +467,8 @@ def make_app(llm, model_path: str, alias: str | None = None, names: tuple[str, .
     from .engine import Engine
     engine = Engine(llm, alias or Path(model_path).name)
     stats = (lambda: llm.expert_pack_stats()) if getattr(llm, "_expert_pack", None) is not None else None
-    extra = {} if args is None else dict(defaults=request_defaults(args), api_keys=api_keys(args), webui=args.webui)
+    extra = {} if args is None else dict(defaults=request_defaults(args), api_keys=api_keys(args), webui=args.webui,
+                                         slots=args.slots)
     return create_app(engine, model_path=model_path, stats=stats, names=names, start_time=start_time, **extra)
 
 

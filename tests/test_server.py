@@ -105,11 +105,10 @@ def test_openai_completions(server):
     assert text == r.choices[0].text
 
 
-def test_openai_unknown_model_is_404(server):
-    import openai
-    with pytest.raises(openai.NotFoundError) as e:
-        client(server).completions.create(model="gpt-17", prompt="x", max_tokens=1)
-    assert "gpt-17" in str(e.value)
+def test_openai_unknown_model_is_served_by_the_loaded_one(server):
+    # llama-server serves any model name a request gives with the model it has loaded (no 404)
+    r = client(server).completions.create(model="gpt-17", prompt="x", max_tokens=1)
+    assert r.model == "tiny-moe" and r.usage.completion_tokens == 1
 
 
 # --- llama-server's /completion -----------------------------------------------------------------------------
@@ -211,7 +210,7 @@ MALFORMED = [
     ("/v1/completions", {"prompt": "x", "max_tokens": -3}, None, 400),
     ("/v1/completions", {"prompt": "x", "max_tokens": 10 ** 9}, None, 400),
     ("/v1/completions", {"prompt": "word " * (2 * N_CTX), "max_tokens": 4}, None, 400),
-    ("/v1/chat/completions", {"model": "no-such-model", "messages": [{"role": "user", "content": "x"}]}, None, 404),
+    ("/v1/chat/completions", {"model": 5, "messages": [{"role": "user", "content": "x"}]}, None, 400),
     ("/v1/chat/completions", {"messages": "hello"}, None, 400),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}, None, 400),
     ("/completion", {"prompt": "x", "n_predict": 4, "stream": "yes"}, None, 400),
@@ -493,7 +492,7 @@ def flagged(packs, tmp_path_factory):
     log = open(tmp_path_factory.mktemp("flagged") / "server.log", "w+")
     cmd = [*expert_pack_argv(), "serve", str(pack), "-c", str(N_CTX), "--port", str(port),
            "-t", "2", "-n", "5", "--seed", "3", "--temp", "0", "--top-k", "7", "--top-p", "0.5", "--min-p", "0.1",
-           "--repeat-penalty", "1.1", "--api-key", f"{KEY},other", "--metrics", "--no-webui"]
+           "--repeat-penalty", "1.1", "--api-key", f"{KEY},other", "--metrics", "--no-webui", "--no-slots"]
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
     base = f"http://127.0.0.1:{port}"
     if not wait_healthy(base, proc, 120):  # /health needs no key
@@ -601,3 +600,16 @@ def test_props_slots_and_the_start_time_header(server):
 def test_flagged_start_time_header_on_a_refusal(flagged):
     status, _, h = call(flagged, "/props")
     assert status == 401 and h["Process-Start-Time-Unix"].isdigit()
+
+
+def test_no_slots_and_no_embedding_are_llama_servers_501(flagged, server):
+    status, r, _ = call(flagged, "/slots", headers=AUTH)
+    assert (status, r) == (501, {"error": {"code": 501, "message": "This server does not support slots endpoint. "
+                                           "Start it with `--slots`", "type": "not_supported_error"}})
+    want = {"error": {"code": 501, "message": "This server does not support embeddings. Start it with "
+                                              "`--embeddings`", "type": "not_supported_error"}}
+    for path in ("/v1/embeddings", "/embedding", "/embeddings"):
+        status, r, _ = call(server, path, {"input": "hello"})
+        assert (status, r) == (501, want), path
+    status, r, _ = call(server, "/slots")  # on by default, as llama-server's
+    assert status == 200 and [s["id"] for s in r] == [0]
