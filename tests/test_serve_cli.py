@@ -121,6 +121,19 @@ def test_no_model(capsys):
     assert "no model" in refused(capsys, [])
 
 
+def test_llama_server_slots_embedding_and_pooling_flags(capsys, tmp_path):
+    args = build_parser().parse_args(["serve", "-m", "m.gguf"])
+    assert (args.slots, args.embedding, args.pooling) == (True, False, None)  # llama-server's defaults
+    args = build_parser().parse_args(["serve", "-m", "m.gguf", "--no-slots", "--embeddings", "--pooling", "mean"])
+    assert (args.slots, args.embedding, args.pooling) == (False, True, "mean")
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"")
+    err = refused(capsys, ["-m", str(model), "--pooling", "mean"])
+    assert err.endswith("--pooling mean needs --embedding"), err
+    err = refused(capsys, ["-m", str(model), "--embedding", "--pooling", "rank"])
+    assert "--pooling" in err and "invalid choice" in err, err
+
+
 def test_size_flags_pass_through_to_the_provider(tmp_path):
     from ggml_expert_pack.server.main import pack_config
     args = build_parser().parse_args(["serve", "-m", "m.gguf", "--expert-pack", str(tmp_path), "--cache-mib", "8G",
