@@ -786,8 +786,27 @@ def metrics_text(engine: Engine, pack: dict | None) -> str:
         hits, misses = pack.get("cache_hits", 0), pack.get("cache_misses", 0)
         rows.append(("expert_pack_hit_ratio", "gauge", "cache_hits / (cache_hits + cache_misses).",
                      hits / (hits + misses) if hits + misses else 0.0))
+        # each device's own cache (llama.cpp's layer split gives every device the layers it runs), label `device`
+        devices = pack.get("devices") or []
+        for k, kind, h in (("cache_hits", "counter", "Selected experts found in this device's cache."),
+                           ("cache_misses", "counter", "Selected experts loaded into this device's cache."),
+                           ("cache_evictions", "counter", "Experts evicted from this device's cache."),
+                           ("h2d_bytes", "counter", "Bytes copied into this device's cache."),
+                           ("slots_per_layer", "gauge", "Expert slots per layer on this device."),
+                           ("cache_bytes", "gauge", "Bytes of this device's expert cache.")):
+            if devices:
+                name = f"expert_pack_device_{k}" + ("_total" if kind == "counter" else "")
+                rows.append((name, kind, h, [(d["device"], d.get(k, 0)) for d in devices]))
     out = []
     for name, kind, help_text, value in rows:
-        out += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {float(value):g}"
-                if isinstance(value, float) else f"{name} {value}"]
+        out += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
+        samples = value if isinstance(value, list) else [(None, value)]
+        for label, v in samples:
+            full = name if label is None else f'{name}{{device="{_label(label)}"}}'
+            out.append(f"{full} {float(v):g}" if isinstance(v, float) else f"{full} {v}")
     return "\n".join(out) + "\n"
+
+
+def _label(text: str) -> str:
+    """A Prometheus label value: backslash, quote and newline escaped."""
+    return str(text).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")

@@ -84,12 +84,13 @@ void expert_pack_provider::detach() {
         l->resident = false;
         l->zero_slot = -1;
         l->distinct_ids = false;
+        l->dev_stats = nullptr;
         l->rounds.clear();
     }
     ram.reset();  // before the stages: its blocks may wait on their copies
     stats.ram_blocks = 0;
     stats.ram_bytes = 0;
-    stages.clear();
+    stages.clear();  // (the devices' counters stay readable until the next attach, as the totals do)
     summary.clear();
     n_resident = 0;
     if (arena_ctx) {
@@ -104,6 +105,7 @@ void expert_pack_provider::detach() {
 void expert_pack_provider::attach(int n_layer, ggml_backend_dev_t const * layer_devs, int n_expert_used_) {
     try {
         detach();
+        devices.clear();
         n_expert_used = n_expert_used_;
         ggml_backend_dev_t cpu = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU);
         // the layers of each device share that device's budget, one slot count per device
@@ -174,7 +176,13 @@ void expert_pack_provider::attach(int n_layer, ggml_backend_dev_t const * layer_
             ggml_backend_buffer_type_t buft = dev == cpu ? ggml_backend_cpu_buffer_type() : ggml_backend_dev_buffer_type(dev);
             stages.push_back(std::make_unique<staging>(dev, cfg.stage_slots, max_read));
             const bool all_fit = slots >= man.n_experts;
+            devices.push_back(std::make_unique<device_counters>());
+            device_counters & dc = *devices.back();
+            dc.name = ggml_backend_dev_name(dev);
+            dc.slots = (int32_t) slots;
+            dc.n_layers = ls.size();
             for (auto * L : ls) {
+                L->dev_stats = &dc;
                 // a partial cache gets one extra, all-zero slot for rounds (inside the budget's tail padding)
                 L->arena = alloc_arena(arena_ctx, buft, *L->layout, (int32_t) slots + (all_fit ? 0 : 1));
                 L->zero_slot = all_fit ? -1 : (int32_t) slots;
@@ -189,7 +197,9 @@ void expert_pack_provider::attach(int n_layer, ggml_backend_dev_t const * layer_
             uint64_t dev_bytes = 0;
             for (auto * L : ls) {
                 dev_bytes += ggml_backend_buffer_get_size(L->arena.buffer);
+                dc.n_resident += L->resident;
             }
+            dc.cache_bytes = dev_bytes;
             char buf[512];
             snprintf(buf, sizeof(buf), "%s%s: %lld of %d experts x %zu layers = %.0f MiB (budget %s; %s %.0f MiB - "
                      "reserve %.0f MiB)", devices_summary.empty() ? "" : "; ", ggml_backend_dev_name(dev),

@@ -52,6 +52,9 @@ extern "C" void expert_pack_get_stats(const expert_pack_provider * p, expert_pac
 
 extern "C" void expert_pack_reset_stats(expert_pack_provider * p) {
     p->stats.reset();
+    for (auto & d : p->devices) {
+        d->reset();
+    }
 }
 
 extern "C" void expert_pack_reset_cache(expert_pack_provider * p) {
@@ -106,6 +109,9 @@ extern "C" void expert_pack_step_done(expert_pack_provider * p, int64_t n_tokens
     if (p->n_resident > 0 && n_tokens > 0) {
         const int64_t per_layer = std::min<int64_t>(p->man.n_experts, (int64_t) p->n_expert_used * n_tokens);
         p->stats.cache_hits += (uint64_t) per_layer * p->n_resident;
+        for (auto & d : p->devices) {
+            d->cache_hits += (uint64_t) per_layer * d->n_resident;
+        }
     }
     if (!p->acquired) {
         p->count_step();

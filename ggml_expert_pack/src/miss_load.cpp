@@ -16,6 +16,7 @@ miss_load::miss_load(expert_pack_provider & p, expert_pack_layer * L) : p(p), L(
 void miss_load::loaded(size_t j) {
     if (p.marks && j < p.marks->reads.size()) p.marks->reads[j].copy = step_timeline::now();
     p.stats.h2d_bytes += lay.block_bytes;
+    if (L->dev_stats) L->dev_stats->h2d_bytes += lay.block_bytes;
     ++misses;
     evictions += L->plan[miss[j]].evicted >= 0;
     stored[j] = 1;

@@ -67,7 +67,11 @@ std::string expert_pack_provider::geometry_json() const {
                     ",\"ram_block_bytes\":" + std::to_string(ram ? ram->block_bytes() : 0) +
                     ",\"ram_pinned\":" + (ram && ram->pinned() ? "true" : "false") +
                     ",\"config\":" + cfg.to_json();
-    return s;
+    s += ",\"devices\":[";
+    for (size_t i = 0; i < devices.size(); ++i) {
+        s += (i ? "," : "") + devices[i]->to_json();
+    }
+    return s + "]";
 }
 
 void expert_pack_provider::flush_stats() {
@@ -81,6 +85,17 @@ void expert_pack_provider::count_step() {
     const uint64_t step = ++stats.steps;
     if (!cfg.stats_path.empty() && step % (uint64_t) cfg.stats_flush_interval == 0) {
         flush_stats();
+    }
+}
+
+void expert_pack_provider::count_cache(expert_pack_layer * L, uint64_t hits, uint64_t misses, uint64_t evictions) {
+    stats.cache_hits += hits;
+    stats.cache_misses += misses;
+    stats.cache_evictions += evictions;
+    if (L->dev_stats) {
+        L->dev_stats->cache_hits += hits;
+        L->dev_stats->cache_misses += misses;
+        L->dev_stats->cache_evictions += evictions;
     }
 }
 
@@ -128,6 +143,7 @@ void expert_pack_provider::preload(expert_pack_layer * L) {
         }
         L->stage->store(L->arena, e, lay.block_bytes);
         stats.h2d_bytes += lay.block_bytes;
+        if (L->dev_stats) L->dev_stats->h2d_bytes += lay.block_bytes;
     }
     L->stage->finish();
     L->resident = true;
@@ -389,9 +405,7 @@ void expert_pack_provider::acquire(expert_pack_layer * L, int32_t round, int32_t
         }
         L->stage->finish();  // staging buffers and RAM blocks are reused only after their copies
         stats.io_errors++;
-        stats.cache_hits += hits;
-        stats.cache_misses += m.misses;
-        stats.cache_evictions += m.evictions;
+        count_cache(L, hits, m.misses, m.evictions);
         std::string msg = "unknown error while loading experts";
         try {
             std::rethrow_exception(m.failure);
@@ -406,9 +420,7 @@ void expert_pack_provider::acquire(expert_pack_layer * L, int32_t round, int32_t
     const auto t_wait = clk::now();
     L->stage->finish();  // every copy complete before the slot ids reach the compute stream
     stats.copy_wait_ns += ns_since(t_wait);
-    stats.cache_hits += hits;
-    stats.cache_misses += m.misses;
-    stats.cache_evictions += m.evictions;
+    count_cache(L, hits, m.misses, m.evictions);
     const uint64_t short_reads = io->retried_short_reads();
     stats.fallback_count += short_reads - counted_short_reads;
     counted_short_reads = short_reads;

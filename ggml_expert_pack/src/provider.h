@@ -51,6 +51,7 @@ struct expert_pack_layer {
     std::vector<ggml_tensor *> meta;  // shape/type-only tensors, in the layout's role order (null until created)
     expert_pack::layer_arena arena;
     expert_pack::staging * stage = nullptr;  // the staging buffers of the layer's device
+    expert_pack::device_counters * dev_stats = nullptr;  // the layer's device's counters
     bool resident = false;            // every expert preloaded into slot == expert: no per-step work at all
     // the arena's backend needs a token's k slot ids distinct (a GPU's mul_mat_id: duplicates left rows unmapped
     // and it read out of bounds); the CPU's does not
@@ -118,6 +119,7 @@ struct expert_pack_provider {
     int32_t n_expert_used = 0;
 
     expert_pack::counters stats;
+    std::vector<std::unique_ptr<expert_pack::device_counters>> devices;  // per device with arenas (attach)
     std::mutex err_mu;
     std::string last_error;
     bool step_failed = false;     // the current step failed: its remaining layers skip their loads
@@ -143,6 +145,7 @@ struct expert_pack_provider {
     void flush_stats();
     void count_step();
     void fail_step(const std::string & msg);
+    void count_cache(expert_pack_layer * L, uint64_t hits, uint64_t misses, uint64_t evictions);
     void acquire(expert_pack_layer * L, int32_t round, int32_t n_rounds, ggml_tensor * dst, std::vector<float> * mask);
     void preload(expert_pack_layer * L);
     // one expert block read into `dst`, checked against its checksum (when verify_pack_sha256) as it lands

@@ -37,6 +37,18 @@ void counters::reset() {
     acquire_ns = read_ns = copy_wait_ns = prefetch_wait_ns = 0;
 }
 
+std::string device_counters::to_json() const {
+    const uint64_t h = cache_hits, m = cache_misses;
+    char buf[512];
+    snprintf(buf, sizeof(buf),
+             "{\"device\":\"%s\",\"layers\":%zu,\"resident_layers\":%zu,\"slots_per_layer\":%d,\"cache_bytes\":%llu,"
+             "\"cache_hits\":%llu,\"cache_misses\":%llu,\"cache_evictions\":%llu,\"h2d_bytes\":%llu,\"hit_rate\":%.6f}",
+             name.c_str(), n_layers, n_resident, slots, (unsigned long long) cache_bytes, (unsigned long long) h,
+             (unsigned long long) m, (unsigned long long) cache_evictions.load(), (unsigned long long) h2d_bytes.load(),
+             h + m ? (double) h / (double) (h + m) : 0.0);
+    return buf;
+}
+
 std::string stats_json(const expert_pack_stats & s, const counters & c, const std::string & extra) {
     const uint64_t keys = s.cache_hits + s.cache_misses;
     char buf[1024];

@@ -40,6 +40,22 @@ struct counters {
     void reset();
 };
 
+// One device's share of the cache counters (the layers whose arenas it holds), for the per-device figures of the
+// stats file and /metrics: with llama.cpp's layer split every device has its own cache, sized from its own memory.
+struct device_counters {
+    std::string name;
+    int32_t slots = 0;          // per layer
+    size_t n_layers = 0, n_resident = 0;
+    uint64_t cache_bytes = 0;
+    std::atomic<uint64_t> cache_hits{0};
+    std::atomic<uint64_t> cache_misses{0};
+    std::atomic<uint64_t> cache_evictions{0};
+    std::atomic<uint64_t> h2d_bytes{0};
+
+    void reset() { cache_hits = cache_misses = cache_evictions = h2d_bytes = 0; }
+    std::string to_json() const;  // {"device", "layers", "resident_layers", "slots_per_layer", "cache_bytes", counters}
+};
+
 // The stats file's JSON: the counters, derived rates, the timings and `extra` (a JSON object's members, e.g.
 // the geometry).
 std::string stats_json(const expert_pack_stats & s, const counters & c, const std::string & extra_members);
