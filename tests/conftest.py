@@ -1,6 +1,7 @@
 """Shared fixtures: small synthetic models generated once per test session (seconds each)."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -53,9 +54,11 @@ def synth_model(model_dir):
     cache: dict = {}
 
     def make(name: str, shards: int = 1, **overrides):
-        key = (name, shards, tuple(sorted((k, repr(v)) for k, v in overrides.items())))
+        cfg = SynthConfig.from_dict({**TINY[name], **overrides})
+        # keyed by the whole configuration: requests that spell the same model differently (a default given
+        # explicitly, such as expert_type="q4_k") share one file
+        key = (shards, repr(dataclasses.asdict(cfg)))
         if key not in cache:
-            cfg = SynthConfig.from_dict({**TINY[name], **overrides})
             out = model_dir / f"{name}-{len(cache)}.gguf"
             cache[key] = generate(cfg, out, shards=shards, progress=False)[0]
         return cache[key]
@@ -72,9 +75,27 @@ def packs(synth_model, tmp_path_factory):
     cache: dict = {}
 
     def get(name: str, **overrides):
-        key = (name, tuple(sorted((k, repr(v)) for k, v in overrides.items())))
-        if key not in cache:
-            src = synth_model(name, **overrides)
-            cache[key] = (src, build(src, root / f"{name}-{len(cache)}").pack_dir)
-        return cache[key]
+        src = synth_model(name, **overrides)
+        if src not in cache:  # one pack per model file
+            cache[src] = (src, build(src, root / f"{name}-{len(cache)}").pack_dir)
+        return cache[src]
     return get
+
+
+@pytest.fixture(scope="session")
+def stock():
+    """Stock llama.cpp's reference runs, each computed once per test run and shared by every test that compares
+    against the same model file and settings: stock.run(model, **run_kw) is lossless.run(model, None, **run_kw),
+    stock.generate(model, prompt, n, **session_kw) a fresh Session's greedy generate (expert_pack_devtools.lossless,
+    StockCache). The references are the same bits a fresh computation gives, so the comparisons stay exact."""
+    from expert_pack_devtools.lossless import StockCache
+    _STOCK.append(StockCache())
+    return _STOCK[-1]
+
+
+_STOCK: list = []
+
+
+def pytest_terminal_summary(terminalreporter):
+    for c in _STOCK:
+        terminalreporter.write_line(f"stock references: {c.computed} computed, {c.hits} reused")

@@ -19,7 +19,7 @@ PROMPT, DECODE = 64, 32
 
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("slots", [4, None], ids=["min", "all-fit"])
-def test_trunk_plus_pack_equals_stock_on_the_original(packs, arch, slots):
+def test_trunk_plus_pack_equals_stock_on_the_original(packs, stock, arch, slots):
     src, pack = packs(arch)
     cfg = dict(cache_vram_reserve_mib=0)
     if slots:
@@ -30,9 +30,9 @@ def test_trunk_plus_pack_equals_stock_on_the_original(packs, arch, slots):
     finally:
         p.close()
     assert r.error == 0
-    stock = run(src, None, prompt_len=PROMPT, n_decode=DECODE, n_ubatch=r.n_ubatch)
-    assert r.tokens == stock.tokens
-    assert np.array_equal(r.logits, stock.logits)
+    ref = stock.run(src, prompt_len=PROMPT, n_decode=DECODE, n_ubatch=r.n_ubatch)  # shared by both cache sizes
+    assert r.tokens == ref.tokens
+    assert np.array_equal(r.logits, ref.logits)
 
 
 def test_trunk_without_its_pack_is_refused_clearly(packs):
@@ -69,11 +69,9 @@ def _tokens(n, seed=0):
     return [(i * 7919 + seed * 31) % 1000 + 100 for i in range(n)]
 
 
-def test_eio_mid_generation_fails_the_request_then_recovers(packs):
+def test_eio_mid_generation_fails_the_request_then_recovers(packs, stock):
     src, pack = packs("qwen3moe")
-    ref = Session(src, n_gpu_layers=0)
-    want, rc = ref.generate(_tokens(8), 24)
-    ref.close()
+    want, rc = stock.generate(src, _tokens(8), 24, n_gpu_layers=0)
     assert rc == 0
     p = Provider.open(pack, cache_vram_mib=cache_mib_for_slots(pack, 9), cache_vram_reserve_mib=0)
     s = Session(pack / TRUNK_FILE, p, n_gpu_layers=0)
@@ -99,13 +97,11 @@ def test_eio_mid_generation_fails_the_request_then_recovers(packs):
         p.close()
 
 
-def test_truncated_pack_mid_generation_fails_then_recovers(packs, tmp_path):
+def test_truncated_pack_mid_generation_fails_then_recovers(packs, stock, tmp_path):
     src, pack0 = packs("qwen3moe")
     pack = tmp_path / "pack"
     shutil.copytree(pack0, pack)
-    ref = Session(src, n_gpu_layers=0)
-    want, _ = ref.generate(_tokens(8, 1), 16)
-    ref.close()
+    want, _ = stock.generate(src, _tokens(8, 1), 16, n_gpu_layers=0)
     p = Provider.open(pack, cache_vram_mib=cache_mib_for_slots(pack, 9), cache_vram_reserve_mib=0)
     s = Session(pack / TRUNK_FILE, p, n_gpu_layers=0)
     try:
@@ -129,7 +125,7 @@ def test_truncated_pack_mid_generation_fails_then_recovers(packs, tmp_path):
         p.close()
 
 
-def test_deep_model_with_a_small_cache_prefills_a_full_batch(synth_model, tmp_path):
+def test_deep_model_with_a_small_cache_prefills_a_full_batch(synth_model, stock, tmp_path):
     """48 layers, 64 experts, a cache of 4 slots: a 256-token ubatch needs 16 rounds in every layer, and the graph
     must have room for them (on the GPU a 48-layer model with 18 of 128 slots aborted in graph_reserve)."""
     from ggml_expert_pack.packer import build
@@ -142,12 +138,12 @@ def test_deep_model_with_a_small_cache_prefills_a_full_batch(synth_model, tmp_pa
         assert p.stats()["fallback_count"] > 0  # the prompt went through in rounds
     finally:
         p.close()
-    stock = run(src, None, prompt_len=PROMPT, n_decode=4)
-    assert r.tokens == stock.tokens and np.array_equal(r.logits, stock.logits)
+    ref = stock.run(src, prompt_len=PROMPT, n_decode=4)
+    assert r.tokens == ref.tokens and np.array_equal(r.logits, ref.logits)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_rounds_with_distinct_slots_per_token(packs, arch):
+def test_rounds_with_distinct_slots_per_token(packs, stock, arch):
     """The GPU's assignment for rounds, run on the CPU: its mul_mat_id needs a token's k slot ids distinct, so the
     pairs a round does not serve read other slots (the zero slot and unserved slots first, then served ones) with a
     zero input instead of all sharing the zero slot. Their outputs are exact zeros; what can change is how a kernel
@@ -161,7 +157,7 @@ def test_rounds_with_distinct_slots_per_token(packs, arch):
         assert r.error == 0 and p.stats()["fallback_count"] > 0  # the prompt went through in rounds
     finally:
         p.close()
-    stock = run(src, None, prompt_len=PROMPT, n_decode=4, n_ubatch=r.n_ubatch)
+    ref = stock.run(src, prompt_len=PROMPT, n_decode=4, n_ubatch=r.n_ubatch)
     prompt_rows = slice(0, PROMPT)
-    assert np.array_equal(r.logits[prompt_rows].argmax(axis=1), stock.logits[prompt_rows].argmax(axis=1))
-    assert float(np.abs(r.logits - stock.logits).max()) < 0.1
+    assert np.array_equal(r.logits[prompt_rows].argmax(axis=1), ref.logits[prompt_rows].argmax(axis=1))
+    assert float(np.abs(r.logits - ref.logits).max()) < 0.1

@@ -62,22 +62,22 @@ def _run_row(packs, tmp_path, row, n_gpu_layers):
 
 
 @pytest.mark.parametrize("row", sorted(ROWS))
-def test_config_row_cpu_bit_identical(packs, tmp_path, row):
+def test_config_row_cpu_bit_identical(packs, stock, tmp_path, row):
     src, got = _run_row(packs, tmp_path, row, n_gpu_layers=0)
-    stock = run(src, None, n_gpu_layers=0, n_ubatch=got.n_ubatch, prompt_len=24, n_decode=12)
-    assert got.tokens == stock.tokens
-    assert np.array_equal(got.logits, stock.logits)
+    ref = stock.run(src, n_gpu_layers=0, n_ubatch=got.n_ubatch, prompt_len=24, n_decode=12)  # one for all rows
+    assert got.tokens == ref.tokens
+    assert np.array_equal(got.logits, ref.logits)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("row", sorted(ROWS))
-def test_config_row_gpu_lossless(packs, tmp_path, row):
+def test_config_row_gpu_lossless(packs, stock, tmp_path, row):
     src, got = _run_row(packs, tmp_path, row, n_gpu_layers=-1)
     ub = got.n_ubatch
-    stock = run(src, None, n_gpu_layers=-1, n_ubatch=ub, prompt_len=24, n_decode=12)
-    other = run(src, None, n_gpu_layers=-1, n_ubatch=max(1, ub // 2) if ub > 1 else 2, prompt_len=24, n_decode=12)
-    assert got.tokens == stock.tokens
-    diff = float(np.abs(stock.logits - got.logits).max())
-    bound = float(np.abs(stock.logits - other.logits).max())
+    ref = stock.run(src, n_gpu_layers=-1, n_ubatch=ub, prompt_len=24, n_decode=12)
+    other = stock.run(src, n_gpu_layers=-1, n_ubatch=max(1, ub // 2) if ub > 1 else 2, prompt_len=24, n_decode=12)
+    assert got.tokens == ref.tokens
+    diff = float(np.abs(ref.logits - got.logits).max())
+    bound = float(np.abs(ref.logits - other.logits).max())
     print(f"\n{row}: max|pack-stock|={diff:.3g}, stock's own bound={bound:.3g}")
     assert diff <= bound

@@ -18,15 +18,15 @@ pytestmark = pytest.mark.gpu
 ARCHS = ["qwen3moe", "deepseek4", "kimi-k3"]
 
 
-def _against_stock(src, with_pack):
+def _against_stock(stock, src, with_pack):
     """The GPU criterion: greedy tokens identical to stock's at the same ubatch; returns (max |delta logit|, the bound
-    stock shows between its own runs at two ubatch sizes)."""
+    stock shows between its own runs at two ubatch sizes). The stock runs are the session's shared ones (conftest.py)."""
     ub = with_pack.n_ubatch
-    stock = run(src, None, n_gpu_layers=-1, n_ubatch=ub, prompt_len=64)
-    stock_other = run(src, None, n_gpu_layers=-1, n_ubatch=max(1, ub // 2) if ub > 1 else 2, prompt_len=64)
-    assert with_pack.tokens == stock.tokens
-    return (float(np.abs(stock.logits - with_pack.logits).max()),
-            float(np.abs(stock.logits - stock_other.logits).max()))
+    ref = stock.run(src, n_gpu_layers=-1, n_ubatch=ub, prompt_len=64)
+    ref_other = stock.run(src, n_gpu_layers=-1, n_ubatch=max(1, ub // 2) if ub > 1 else 2, prompt_len=64)
+    assert with_pack.tokens == ref.tokens
+    return (float(np.abs(ref.logits - with_pack.logits).max()),
+            float(np.abs(ref.logits - ref_other.logits).max()))
 
 
 def _pack_on_gpu(pack, **cfg):
@@ -41,12 +41,12 @@ def _pack_on_gpu(pack, **cfg):
 
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("slots", [4, None], ids=["min", "all-fit"])
-def test_gpu_lossless(packs, arch, slots):
+def test_gpu_lossless(packs, stock, arch, slots):
     src, pack = packs(arch)
     with_pack, stats = _pack_on_gpu(pack, **({"cache_vram_mib": cache_mib_for_slots(pack, slots)} if slots else {}))
     assert with_pack.error == 0
     ub = with_pack.n_ubatch
-    diff, bound = _against_stock(src, with_pack)
+    diff, bound = _against_stock(stock, src, with_pack)
     print(f"\n{arch} slots={slots or 'all'} ubatch={ub}: max|pack-stock|={diff:.3g}, stock's own bound={bound:.3g}, "
           f"bit-identical={diff == 0.0}, stats={ {k: stats[k] for k in ('cache_hits', 'cache_misses', 'cache_evictions', 'pack_read_bytes', 'h2d_bytes', 'io_errors', 'resident_layers')} }")
     assert diff <= bound
@@ -58,7 +58,7 @@ def test_gpu_lossless(packs, arch, slots):
 
 
 @pytest.mark.parametrize("read_threads", [1, 4])
-def test_gpu_ram_tier_lossless(packs, read_threads):
+def test_gpu_ram_tier_lossless(packs, stock, read_threads):
     """The host-RAM tier on a GPU: pinned blocks, asynchronous copies from them into the VRAM slots (store_from),
     an evicting device cache and an evicting tier; same criterion as above."""
     from expert_pack_devtools.lossless import ram_mib_for_blocks
@@ -66,7 +66,7 @@ def test_gpu_ram_tier_lossless(packs, read_threads):
     with_pack, stats = _pack_on_gpu(pack, cache_vram_mib=cache_mib_for_slots(pack, 4),
                                     ram_cache_mib=ram_mib_for_blocks(pack, 24), read_threads=read_threads)
     assert with_pack.error == 0
-    diff, bound = _against_stock(src, with_pack)
+    diff, bound = _against_stock(stock, src, with_pack)
     print(f"\nram tier, read_threads={read_threads}: max|pack-stock|={diff:.3g}, stock's own bound={bound:.3g}, "
           f"stats={ {k: stats[k] for k in ('cache_misses', 'ram_hits', 'ram_misses', 'ram_evictions', 'ram_pinned')} }")
     assert diff <= bound
@@ -87,7 +87,7 @@ def test_gpu_ram_tier_lossless(packs, read_threads):
 
 
 @pytest.mark.parametrize("arch", ["qwen3moe", "deepseek4"])
-def test_gpu_prefetch_lossless(packs, arch):
+def test_gpu_prefetch_lossless(packs, stock, arch):
     """Next-layer prefetch on a GPU: the next router's product and top-k on the device, the prefetch op on the CPU
     after the acquire op, background reads into pinned RAM blocks, their copies at the next layer's acquire; same
     criterion as above, and the prefetches are used."""
@@ -96,7 +96,7 @@ def test_gpu_prefetch_lossless(packs, arch):
     with_pack, c = _pack_on_gpu(pack, cache_vram_mib=cache_mib_for_slots(pack, 4),
                                 ram_cache_mib=ram_mib_for_blocks(pack, 24), prefetch=True)
     assert with_pack.error == 0
-    diff, bound = _against_stock(src, with_pack)
+    diff, bound = _against_stock(stock, src, with_pack)
     print(f"\nprefetch {arch}: max|pack-stock|={diff:.3g}, stock's own bound={bound:.3g}, "
           f"counters={ {k: c[k] for k in ('cache_misses', 'ram_hits', 'prefetch_issued', 'prefetch_used', 'prefetch_wasted', 'prefetch_cancelled', 'predicted', 'predicted_correct')} }")
     assert diff <= bound

@@ -138,6 +138,65 @@ def run(model_path, provider=None, n_ubatch: int = 512, prompt_len: int = 12, n_
         del cb
 
 
+class StockCache:
+    """Stock llama.cpp's reference (no pack) for a model file and settings, computed once and then shared: the test
+    suite keeps one per run (tests/conftest.py, fixture `stock`), so that every test comparing against the same
+    (model, prompt, settings) reuses one computation. The key is the file (resolved path, size, mtime) and every
+    argument with the defaults filled in; results are returned with read-only logits (a test cannot alter what the
+    next one compares against) and fresh token lists."""
+
+    def __init__(self):
+        self._runs: dict = {}
+        self._generated: dict = {}
+        self.hits = self.computed = 0
+
+    @staticmethod
+    def _file_key(model_path) -> tuple:
+        import os
+        p = os.path.realpath(model_path)
+        st = os.stat(p)
+        return p, st.st_size, st.st_mtime_ns
+
+    def run(self, model_path, **kw) -> Run:
+        """run(model_path, None, **kw), memoised."""
+        import inspect
+        if "provider" in kw:
+            raise TypeError("StockCache.run is the run without a pack: no provider")
+        bound = inspect.signature(run).bind(model_path, None, **kw)
+        bound.apply_defaults()
+        settings = tuple(sorted((k, v) for k, v in bound.arguments.items() if k not in ("model_path", "provider")))
+        key = (self._file_key(model_path), settings)
+        if key not in self._runs:
+            r = run(model_path, None, **kw)
+            r.logits.setflags(write=False)
+            self._runs[key] = r
+            self.computed += 1
+        else:
+            self.hits += 1
+        r = self._runs[key]
+        return Run(r.logits, r.n_ubatch, list(r.tokens), [dict(step) for step in r.routing], r.error)
+
+    def generate(self, model_path, prompt: list[int], n: int, **session_kw) -> tuple[list[int], int]:
+        """Session(model_path, None, **session_kw).generate(prompt, n) on a fresh session, memoised."""
+        import inspect
+        bound = inspect.signature(Session.__init__).bind(None, model_path, None, **session_kw)
+        bound.apply_defaults()
+        settings = tuple(sorted((k, v) for k, v in bound.arguments.items()
+                                if k not in ("self", "model_path", "provider")))
+        key = (self._file_key(model_path), settings, tuple(prompt), n)
+        if key not in self._generated:
+            s = Session(model_path, None, **session_kw)
+            try:
+                self._generated[key] = s.generate(list(prompt), n)
+            finally:
+                s.close()
+            self.computed += 1
+        else:
+            self.hits += 1
+        tokens, rc = self._generated[key]
+        return list(tokens), rc
+
+
 class Session:
     """A loaded model and one context (low-level llama.cpp), reused across requests."""
 
