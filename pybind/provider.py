@@ -78,7 +78,7 @@ def normalize_config(expert_pack: str | os.PathLike | Mapping[str, Any], **overr
 
 
 class Provider:
-    """An open expert pack. Pass `.handle` as llama_model_params.expert_pack; free it after the model."""
+    """An open expert pack. `use_in(model_params)` makes it the model's expert source; free it after the model."""
 
     def __init__(self, config: Mapping[str, Any]):
         self.config = dict(config)
@@ -97,6 +97,12 @@ class Provider:
         """The provider pointer as an int (for ctypes structs such as llama_model_params)."""
         self._check()
         return int(ffi().cast("uintptr_t", self._h))
+
+    def use_in(self, model_params) -> None:
+        """Make this provider the expert source of a llama_model_params (ctypes): the table of
+        expert_pack_llama_source() as expert_source, the provider as expert_source_ctx."""
+        model_params.expert_source = int(ffi().cast("uintptr_t", lib().expert_pack_llama_source()))
+        model_params.expert_source_ctx = self.handle
 
     def _check(self) -> None:
         if self._h is None:

@@ -42,7 +42,7 @@ def test_serve_has_a_flag_for_every_key():
 
 def test_the_forks_tools_have_a_flag_for_every_key():
     from ggml_expert_pack.server.main import KEY_FLAGS
-    patch = (ROOT / "vendor" / "patches" / "0006-expert-pack-tools.patch").read_text()
+    patch = (ROOT / "vendor" / "patches" / "0006-expert-pack-common-flags.patch").read_text()
     for key in c_keys() - PATH_KEYS:
         fork = "--expert-" + KEY_FLAGS[key][2:]
         assert f'{{"{fork}"}}' in patch, f"the fork's common flags lack {fork} ({key})"

@@ -126,7 +126,7 @@ def test_state_keeps_the_pack(packed):
 
 
 def test_max_tokens_is_exact_even_on_a_split_utf8_character(packed):
-    """Upstream generated one token past max_tokens when the last one ended inside a UTF-8 character (patch 0005)."""
+    """Upstream generated one token past max_tokens when the last one ended inside a UTF-8 character (patch 0008)."""
     from llama_cpp import LogitsProcessorList
 
     from expert_pack_devtools.bench_client import requests

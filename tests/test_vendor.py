@@ -98,3 +98,38 @@ def test_the_build_tree_carries_the_whole_series():
         pytest.skip("no prepared upstream tree (the build prepares it)")
     applied = sorted(p.name for p in (tree / ".expert-pack" / "applied").glob("*.patch"))
     assert applied == [p.name for p in prepare.patch_series()]
+
+
+def test_make_patch_keeps_headers_and_stacks_patches_on_one_file(tmp_path, monkeypatch):
+    # a fake sdist holding one file; two patches of the series touch it, each with its header
+    top = prepare.LOCK["top_dir"]
+    src = tmp_path / "src" / top
+    src.mkdir(parents=True)
+    (src / "a.txt").write_text("one\ntwo\nthree\nfour\nfive\nsix\nseven\neight\n")
+    sdist = tmp_path / prepare.LOCK["filename"]
+    with tarfile.open(sdist, "w:gz") as tf:
+        tf.add(src, arcname=top)
+    monkeypatch.setattr(prepare, "LOCK", dict(prepare.LOCK, sha256=hashlib.sha256(sdist.read_bytes()).hexdigest()))
+    monkeypatch.setattr(prepare, "CACHE_DIR", tmp_path)
+    pdir = tmp_path / "patches"
+    monkeypatch.setattr(prepare, "PATCH_DIR", pdir)
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    (tree / "a.txt").write_text((src / "a.txt").read_text().replace("one", "ONE"))
+    with pytest.raises(prepare.PrepareError, match="header"):
+        prepare.make_patch(tree, "0001-first.patch", ["a.txt"])  # a new patch says what and why
+    prepare.make_patch(tree, "0001-first.patch", ["a.txt"], header="first: ONE\n")
+    (tree / "a.txt").write_text((tree / "a.txt").read_text().replace("eight", "EIGHT"))
+    prepare.make_patch(tree, "0002-second.patch", ["a.txt"], header="second: EIGHT\n")
+    second = (pdir / "0002-second.patch").read_text()
+    assert second.startswith("second: EIGHT\n") and "+EIGHT" in second and "ONE" not in second.split("@@", 2)[2]
+    with pytest.raises(prepare.PrepareError, match="later in the series"):
+        prepare.make_patch(tree, "0001-first.patch", ["a.txt"])  # its tree state holds 0002's change too
+    (tree / "a.txt").write_text((tree / "a.txt").read_text().replace("EIGHT", "Eight"))
+    prepare.make_patch(tree, "0002-second.patch", ["a.txt"])  # rewritten: the header stays
+    assert (pdir / "0002-second.patch").read_text().startswith("second: EIGHT\n")
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    (fresh / "a.txt").write_text((src / "a.txt").read_text())
+    prepare.sync_patches(fresh)  # the series applies in order, headers and all
+    assert (fresh / "a.txt").read_text() == (tree / "a.txt").read_text()

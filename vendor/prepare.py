@@ -23,6 +23,11 @@ Usage:
   python vendor/prepare.py --offline       # never download; fail with a clear message instead
   python vendor/prepare.py bundle-tree OUT.tar.gz
   python vendor/prepare.py make-patch NAME FILE...   # after editing the tree: (re)write a patch of the series
+
+A patch is one feature of the fork. It starts with a header, plain lines before the first `--- a/` that say
+what the patch does and why (`patch` skips them); make-patch keeps the header of the patch it rewrites, and a new
+patch gets its header from `--header FILE`. A file may be touched by several patches: each one is the diff of that
+file from its state after the earlier patches of the series.
 """
 from __future__ import annotations
 
@@ -162,6 +167,28 @@ def _files_in_patch(patch: Path) -> list[str]:
     return out
 
 
+def patch_header(patch: Path) -> str:
+    """The lines before the patch's first file (what the patch does and why)."""
+    text = patch.read_text(errors="replace")
+    at = text.find("--- a/")
+    while at > 0 and text[at - 1] != "\n":
+        at = text.find("--- a/", at + 1)
+    return text[:at] if at >= 0 else text
+
+
+def _file_section(patch: Path, rel: str) -> str:
+    """The part of a patch that touches one file (its ---/+++ lines and hunks)."""
+    out, keep = [], False
+    lines = patch.read_text(errors="replace").splitlines(keepends=True)
+    for i, line in enumerate(lines):
+        if line.startswith("--- ") and i + 1 < len(lines) and lines[i + 1].startswith("+++ "):
+            name = lines[i + 1][4:].split("\t")[0].strip()
+            keep = (name[2:] if name.startswith("b/") else name) == rel
+        if keep:
+            out.append(line)
+    return "".join(out)
+
+
 def apply_patch(tree: Path, patch: Path) -> None:
     r = _run_patch(tree, patch, "--forward", "--dry-run")
     if r.returncode != 0:
@@ -272,14 +299,23 @@ def bundle_tree(out: Path, tree: Path) -> None:
 # maintaining the series
 
 
-def make_patch(tree: Path, name: str, files: list[str]) -> Path:
-    """Write vendor/patches/NAME from the tree's current FILES (paths relative to the sdist top) against the
-    pristine sdist, and record it as applied. Each upstream file belongs to one patch of the series, so every
-    patch is a plain diff against the pristine source."""
-    owners = {f: p.name for p in patch_series() if p.name != name for f in _files_in_patch(p)}
-    clash = [f for f in files if f in owners]
+def make_patch(tree: Path, name: str, files: list[str], header: str | None = None) -> Path:
+    """Write vendor/patches/NAME from the tree's current FILES (paths relative to the sdist top), and record it as
+    applied; the patch's sections for other files are kept. Each file is diffed against its state after the patches before NAME in the series (the pristine sdist
+    plus their hunks for that file); a file that a later patch also touches is refused (its tree state holds that
+    patch's hunks too). The header is `header`, else the existing patch's; a new patch without one is refused."""
+    out = PATCH_DIR / name
+    series = [p for p in patch_series() if p.name != name]
+    later = {f: p.name for p in series if p.name > name for f in _files_in_patch(p)}
+    clash = [f for f in files if f in later]
     if clash:
-        raise PrepareError(f"{', '.join(clash)} already belong to {owners[clash[0]]}: extend that patch instead")
+        raise PrepareError(f"{', '.join(clash)} is also touched by {later[clash[0]]}, later in the series: "
+                           f"make that patch's change there, or move this one after it")
+    if header is None:
+        header = patch_header(out) if out.exists() else ""
+    if not header.strip():
+        raise PrepareError(f"{name} needs a header saying what it does and why: --header FILE")
+    header = header.rstrip("\n") + "\n\n"
     sdist = fetch_sdist(offline=True)
     chunks = []
     with tarfile.open(sdist) as tf, tempfile.TemporaryDirectory() as tmp:
@@ -287,17 +323,33 @@ def make_patch(tree: Path, name: str, files: list[str]) -> Path:
             member = tf.extractfile(f"{LOCK['top_dir']}/{rel}")
             if member is None:
                 raise PrepareError(f"{rel} is not in the sdist")
-            orig = Path(tmp) / "orig"
+            base = Path(tmp) / "base"
+            base.mkdir(exist_ok=True)
+            orig = base / rel
+            orig.parent.mkdir(parents=True, exist_ok=True)
             orig.write_bytes(member.read())
+            for earlier in (p for p in series if p.name < name):
+                section = _file_section(earlier, rel)
+                if section:
+                    r = subprocess.run(["patch", "-p1", "--batch", "--no-backup-if-mismatch", "-d", str(base)],
+                                       input=section, capture_output=True, text=True)
+                    if r.returncode != 0:
+                        raise PrepareError(f"{earlier.name} does not apply to the pristine {rel}:\n{r.stdout}")
             r = subprocess.run(["diff", "-u", "--label", f"a/{rel}", "--label", f"b/{rel}", str(orig), str(tree / rel)],
                                capture_output=True, text=True)
             if r.returncode > 1:
                 raise PrepareError(f"diff failed on {rel}: {r.stderr}")
             if not r.stdout:
-                raise PrepareError(f"{rel} does not differ from the sdist")
+                raise PrepareError(f"{rel} does not differ from its state before {name}")
             chunks.append(r.stdout)
-    out = PATCH_DIR / name
-    out.write_text("".join(chunks))
+            shutil.rmtree(base)
+    # the files of the existing patch not named here keep their sections as they are
+    if out.exists():
+        made = dict(zip(files, chunks))
+        old = _files_in_patch(out)
+        chunks = [made.pop(f) if f in made else _file_section(out, f) for f in old] + list(made.values())
+    PATCH_DIR.mkdir(parents=True, exist_ok=True)
+    out.write_text(header + "".join(chunks))
     applied = tree / STAMP_DIR_NAME / "applied"
     applied.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(out, applied / name)
@@ -316,10 +368,13 @@ def main(argv: list[str] | None = None) -> int:
     m = sub.add_parser("make-patch", help="(re)write vendor/patches/NAME from edited upstream files")
     m.add_argument("name", help="e.g. 0002-expert-pack-loader.patch")
     m.add_argument("files", nargs="+", help="paths relative to the sdist top, e.g. vendor/llama.cpp/src/llama.cpp")
+    m.add_argument("--header", type=Path, default=None, help="a file holding the patch's header (what and why); "
+                   "default: the header of the patch being rewritten")
     args = ap.parse_args(argv)
     try:
         if args.cmd == "make-patch":
-            make_patch(args.tree or default_tree(), args.name, args.files)
+            header = args.header.read_text() if args.header else None
+            make_patch(args.tree or default_tree(), args.name, args.files, header)
             return 0
         tree = ensure_tree(args.tree, offline=args.offline)
         if args.cmd == "bundle-tree":

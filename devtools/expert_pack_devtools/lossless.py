@@ -60,7 +60,7 @@ def load_model(model_path, provider=None, n_gpu_layers: int = 0):
     mp.use_extra_bufts = False
     mp.n_gpu_layers = n_gpu_layers
     if provider is not None:
-        mp.expert_pack = provider.handle
+        provider.use_in(mp)
     model = lc.llama_model_load_from_file(str(model_path).encode(), mp)
     if not model:
         msg = provider.last_error if provider is not None else ""

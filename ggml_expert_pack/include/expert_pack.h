@@ -2,7 +2,8 @@
 //
 // A provider streams the routed experts of a MoE model from an expert pack (docs/FORMAT.md) into a cache
 // of whole experts, inside llama.cpp's compute graph (docs/ARCHITECTURE.md). Python binds this header
-// with cffi (ggml_expert_pack.pybind); the patched libllama calls the "llama.cpp integration" part.
+// with cffi (ggml_expert_pack.pybind). llama.cpp reaches the "llama.cpp integration" part through the table of
+// expert_pack_llama_source(), never directly.
 #pragma once
 
 #include <stddef.h>
@@ -20,6 +21,7 @@ extern "C" {
 
 struct ggml_tensor;
 struct ggml_backend_device;
+struct llama_expert_source_i;  // llama.h
 
 typedef struct expert_pack_provider expert_pack_provider;
 typedef struct expert_pack_layer    expert_pack_layer;
@@ -102,7 +104,11 @@ EXPERT_PACK_API size_t expert_pack_summary(const expert_pack_provider * p, char 
 // step's first acquire). Returns the length as expert_pack_stats_json does.
 EXPERT_PACK_API size_t expert_pack_timeline_json(const expert_pack_provider * p, char * buf, size_t len);
 
-// ---- llama.cpp integration (the patched libllama calls these) --------------------------------------------
+// ---- llama.cpp integration --------------------------------------------------------------------------------
+// The provider as llama.cpp's expert source: pass this table as llama_model_params.expert_source and the provider
+// as expert_source_ctx (src/llama_source.cpp; its members call the functions below). Static, never freed.
+EXPERT_PACK_API const struct llama_expert_source_i * expert_pack_llama_source(void);
+
 // Check that the model file belongs with this pack: a trunk must carry this pack's pack_id; an original GGUF
 // (or the first shard of one) must be the pack's source (its fingerprint). 0 if it does; -1 with the cause in err.
 EXPERT_PACK_API int expert_pack_check_model(expert_pack_provider * p, const char * path, char * err, size_t err_len);
