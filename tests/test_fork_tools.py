@@ -62,19 +62,27 @@ def _complete(server: LlamaServer) -> dict:
                              n_probs=0, seed=1)
 
 
-def _stock_completion(src, tmp_path) -> dict:
-    """The reference: stock llama-server (the fork without --expert-pack) on the original GGUF."""
-    stock = LlamaServer(["-m", str(src)], tmp_path / "stock.log")
-    try:
-        return _complete(stock)
-    finally:
-        stock.stop()
+@pytest.fixture(scope="module")
+def stock_completion(tmp_path_factory):
+    """stock_completion(src): the reference, stock llama-server (the fork without --expert-pack) on the original GGUF,
+    started once per model for the module (the request is the same greedy one each time)."""
+    cache: dict = {}
+
+    def get(src) -> dict:
+        if src not in cache:
+            stock = LlamaServer(["-m", str(src)], tmp_path_factory.mktemp("stock") / "stock.log")
+            try:
+                cache[src] = _complete(stock)
+            finally:
+                stock.stop()
+        return cache[src]
+    return get
 
 
 @pytest.mark.parametrize("arch", ["qwen3moe", "deepseek4"])
-def test_llama_server_with_pack_answers_like_stock(packs, tmp_path, arch):
+def test_llama_server_with_pack_answers_like_stock(packs, stock_completion, tmp_path, arch):
     src, pack = packs(arch)
-    want = _stock_completion(src, tmp_path)
+    want = stock_completion(src)
     stats = tmp_path / "stats.json"
     # the smallest cache that holds one token's experts (top-4 of the tiny models): every step evicts
     ours = LlamaServer(["-m", str(pack / "trunk.gguf"), "--expert-pack", str(pack),
@@ -103,11 +111,11 @@ def test_llama_server_with_pack_answers_like_stock(packs, tmp_path, arch):
     assert m["io_errors"] == 0 and 0 <= m["hit_ratio"] <= 1
 
 
-def test_llama_server_with_prefetch_answers_like_stock(packs, tmp_path):
+def test_llama_server_with_prefetch_answers_like_stock(packs, stock_completion, tmp_path):
     """--expert-ram-cache-mib with --expert-prefetch on: same text as stock, and the prefetch counters on /metrics."""
     from expert_pack_devtools.lossless import ram_mib_for_blocks
     src, pack = packs("qwen3moe")
-    want = _stock_completion(src, tmp_path)
+    want = stock_completion(src)
     ours = LlamaServer(["-m", str(pack / "trunk.gguf"), "--expert-pack", str(pack),
                         "--expert-cache-mib", f"{cache_mib_for_slots(pack, 4)}", "--expert-cache-reserve-mib", "0",
                         "--expert-ram-cache-mib", f"{ram_mib_for_blocks(pack, 12)}", "--expert-prefetch", "on",

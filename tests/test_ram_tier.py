@@ -17,18 +17,6 @@ MIXED = dict(expert_type="q4_k", expert_types={"down": "q8_0"},
              layer_expert_types={"1": "q2_k", "2": "f16", "3": {"gate": "q3_k", "up": "q3_k"}})
 
 
-@pytest.fixture(scope="module")
-def stock(packs):
-    """The stock llama.cpp reference run of a model, computed once."""
-    cache = {}
-
-    def get(src):
-        if src not in cache:
-            cache[src] = run(src, None, n_ubatch=256)
-        return cache[src]
-    return get
-
-
 def _provider(pack, slots, ram_blocks, **kw):
     return Provider.open(pack, cache_vram_mib=cache_mib_for_slots(pack, slots), cache_vram_reserve_mib=0,
                          ram_cache_mib=ram_mib_for_blocks(pack, ram_blocks), **kw)
@@ -43,28 +31,26 @@ def _decode(src, p, n_decode):
         p.close()
 
 
-def _decode_like_stock(src, p, n_decode):
-    """Run src with provider p (closed afterwards) and without a pack; assert bit-identical tokens and logits;
-    return p's counters."""
+def _decode_like_stock(stock, src, p, n_decode):
+    """Run src with provider p (closed afterwards) and without a pack (the run's shared reference, conftest.py);
+    assert bit-identical tokens and logits; return p's counters."""
     try:
         got = run(src, p, n_ubatch=256, n_decode=n_decode)
         c = p.counters()
     finally:
         p.close()
-    ref = run(src, None, n_ubatch=256, n_decode=n_decode)
+    ref = stock.run(src, n_ubatch=256, n_decode=n_decode)
     assert got.error == 0 and got.tokens == ref.tokens
     assert np.array_equal(got.logits, ref.logits), f"max |diff| {np.abs(got.logits - ref.logits).max()}"
     return c
 
 
-def _eio_fails_the_request_then_recovers(src, pack, p, check_failure=None):
+def _eio_fails_the_request_then_recovers(stock, src, pack, p, check_failure=None):
     """Generate with p, make the disk fail after 2 more block reads: the request fails at a step that needed the
     disk, every token produced before equals stock's; readable again, the next request is stock's. p is closed.
     check_failure(p, counters_before_the_fault) adds the caller's checks at the failure."""
     prompt = [(i * 7919) % 1000 + 100 for i in range(8)]
-    ref = Session(src, n_gpu_layers=0)
-    want, rc = ref.generate(prompt, 24)
-    ref.close()
+    want, rc = stock.generate(src, prompt, 24, n_gpu_layers=0)
     assert rc == 0
     s = Session(pack / TRUNK_FILE, p, n_gpu_layers=0)
     try:
@@ -104,7 +90,7 @@ def test_lossless_with_ram_tier(packs, stock, kind, ram_blocks):
         s = p.stats()
     finally:
         p.close()
-    ref = stock(src)
+    ref = stock.run(src, n_ubatch=256)
     assert got.error == 0 and got.tokens == ref.tokens
     assert np.array_equal(got.logits, ref.logits), f"max |diff| {np.abs(got.logits - ref.logits).max()}"
 
@@ -167,14 +153,14 @@ def test_a_tier_that_holds_everything_serves_the_second_run(packs):
     assert c2["ram_blocks"] == n_keys  # reset_stats keeps the geometry
 
 
-def test_eio_with_ram_tier_fails_the_request_then_recovers(packs):
+def test_eio_with_ram_tier_fails_the_request_then_recovers(packs, stock):
     src, pack = packs("qwen3moe")
 
     def check(c, before):
         assert c["io_errors"] == 1
         assert c["ram_misses"] - before["ram_misses"] == 2  # the two reads that landed; the failed one is not counted
     # one read thread: reads land in order, so exactly the 2 reads before the fault are counted
-    _eio_fails_the_request_then_recovers(src, pack, _provider(pack, 2 * K + 1, 12, read_threads=1), check)
+    _eio_fails_the_request_then_recovers(stock, src, pack, _provider(pack, 2 * K + 1, 12, read_threads=1), check)
 
 
 @pytest.mark.parametrize("value, match", [
@@ -264,7 +250,7 @@ def test_lossless_with_read_threads(packs, stock, kind, ram_blocks):
         c = p.counters()
     finally:
         p.close()
-    ref = stock(src)
+    ref = stock.run(src, n_ubatch=256)
     assert got.error == 0 and got.tokens == ref.tokens
     assert np.array_equal(got.logits, ref.logits), f"max |diff| {np.abs(got.logits - ref.logits).max()}"
     keys = sum(len(np.unique(ids)) for step in got.routing for ids in step.values())
@@ -276,7 +262,7 @@ def test_lossless_with_read_threads(packs, stock, kind, ram_blocks):
 
 
 @pytest.mark.parametrize("ram_blocks", [None, 12], ids=["staging", "ram"])
-def test_eio_with_read_threads_fails_the_request_then_recovers(packs, ram_blocks):
+def test_eio_with_read_threads_fails_the_request_then_recovers(packs, stock, ram_blocks):
     src, pack = packs("qwen3moe")
     kw = dict(read_threads=4)
     if ram_blocks is None:
@@ -286,7 +272,7 @@ def test_eio_with_read_threads_fails_the_request_then_recovers(packs, ram_blocks
 
     def check(c, before):
         assert c["io_errors"] == 1
-    _eio_fails_the_request_then_recovers(src, pack, p, check)
+    _eio_fails_the_request_then_recovers(stock, src, pack, p, check)
 
 
 def test_bad_read_threads_names_the_key(packs):
@@ -297,9 +283,9 @@ def test_bad_read_threads_names_the_key(packs):
 
 
 @pytest.mark.parametrize("mode", ["spill", "victim", "inclusive"])
-def test_ram_tier_modes_are_lossless(packs, mode):
+def test_ram_tier_modes_are_lossless(packs, stock, mode):
     src, pack = packs("qwen3moe")
-    c = _decode_like_stock(src, _provider(pack, K, 24, ram_tier_mode=mode), n_decode=48)
+    c = _decode_like_stock(stock, src, _provider(pack, K, 24, ram_tier_mode=mode), n_decode=48)
     assert c["cache_misses"] == c["ram_hits"] + c["ram_misses"]
     assert (c["ram_spills"] > 0) == (mode == "spill")  # only spill copies the device's victims back
 
@@ -339,10 +325,10 @@ def _prefetch_counters_hold(c):
 
 @pytest.mark.parametrize("arch", ["qwen3moe", "deepseek4", "kimi-k3"])
 @pytest.mark.parametrize("ram_blocks, read_threads", [(12, 1), (24, 4)], ids=["small-tier", "evicting-4-threads"])
-def test_lossless_with_prefetch(packs, arch, ram_blocks, read_threads):
+def test_lossless_with_prefetch(packs, stock, arch, ram_blocks, read_threads):
     """Prefetch only adds RAM-tier reads: the logits stay bit-identical to stock, and the predictions are scored."""
     src, pack = packs(arch)
-    c = _decode_like_stock(src, _provider(pack, K, ram_blocks, prefetch=True, read_threads=read_threads), n_decode=48)
+    c = _decode_like_stock(stock, src, _provider(pack, K, ram_blocks, prefetch=True, read_threads=read_threads), n_decode=48)
     assert c["io_errors"] == 0
     # every decode step predicts each MoE layer after the first from the one before it
     assert c["predicted"] > 0 and c["prefetch_issued"] > 0
@@ -372,7 +358,7 @@ def test_prefetch_never_touches_the_device_cache(packs):
     assert got[True]["ram_hits"] > got[False]["ram_hits"] and got[True]["prefetch_used"] > 0
 
 
-def test_prefetches_dropped_before_their_reads_change_nothing_but_the_tier(packs):
+def test_prefetches_dropped_before_their_reads_change_nothing_but_the_tier(packs, stock):
     """With every prefetch read held back (the test seam), each guess is dropped at the next layer's acquire: all
     count as cancelled, none as used or wasted, the device cache sees the run without prefetch, no prefetch byte is
     read, and the logits stay stock's."""
@@ -380,7 +366,7 @@ def test_prefetches_dropped_before_their_reads_change_nothing_but_the_tier(packs
     base = _decode(src, _provider(pack, K, 24), 64)[0]
     p = _provider(pack, K, 24, prefetch=True)
     p.hold_prefetch()
-    held = _decode_like_stock(src, p, 64)
+    held = _decode_like_stock(stock, src, p, 64)
     assert held["prefetch_issued"] > 0 and held["prefetch_cancelled"] == held["prefetch_issued"]
     assert held["prefetch_used"] == held["prefetch_wasted"] == 0
     for k in ("cache_hits", "cache_misses", "cache_evictions", "h2d_bytes"):
@@ -389,14 +375,14 @@ def test_prefetches_dropped_before_their_reads_change_nothing_but_the_tier(packs
     assert held["pack_read_bytes"] == held["ram_misses"] * base["pack_read_bytes"] // base["ram_misses"]
 
 
-def test_eio_during_prefetch_fails_only_the_request_then_recovers(packs):
+def test_eio_during_prefetch_fails_only_the_request_then_recovers(packs, stock):
     """Prefetch and demand reads fail alike after the fault: a failed prefetch only empties its block (the demand
     read then fails the step), and no block a failed prefetch was meant to fill is trusted afterwards."""
     src, pack = packs("qwen3moe")
 
     def check(c, before):
         assert c["io_errors"] >= 1
-    _eio_fails_the_request_then_recovers(src, pack, _provider(pack, K, 12, prefetch=True), check)
+    _eio_fails_the_request_then_recovers(stock, src, pack, _provider(pack, K, 12, prefetch=True), check)
 
 
 def test_prefetch_needs_the_ram_tier(packs):

@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 
 from expert_pack_devtools.lossless import cache_mib_for_slots, run
-from ggml_expert_pack.packer import build
 from ggml_expert_pack.packer.format import MANIFEST_FILE, PACK_FILE, layers_from_manifest, load_manifest, manifest_digest
 from ggml_expert_pack.pybind.provider import Policy, Provider, normalize_config
 
@@ -28,16 +27,9 @@ TYPES = {
 
 
 @pytest.fixture(scope="module")
-def model_and_pack(synth_model, tmp_path_factory):
-    root = tmp_path_factory.mktemp("rt-packs")
-    cache = {}
-
-    def get(kind):
-        if kind not in cache:
-            src = synth_model("qwen3moe", **TYPES[kind])
-            cache[kind] = (src, build(src, root / kind).pack_dir)
-        return cache[kind]
-    return get
+def model_and_pack(packs):
+    """(model, pack) of each kind: the session's (tests that damage a pack work on a copy)."""
+    return lambda kind: packs("qwen3moe", **TYPES[kind])
 
 
 def _provider(pack, slots=None, **kw):
@@ -49,7 +41,7 @@ def _provider(pack, slots=None, **kw):
 
 @pytest.mark.parametrize("kind", list(TYPES))
 @pytest.mark.parametrize("slots", [K, 2 * K + 1, None], ids=["min", "evicting", "all-fit"])
-def test_lossless_bit_for_bit(model_and_pack, kind, slots):
+def test_lossless_bit_for_bit(model_and_pack, stock, kind, slots):
     src, pack = model_and_pack(kind)
     p = _provider(pack, slots)
     try:
@@ -62,10 +54,10 @@ def test_lossless_bit_for_bit(model_and_pack, kind, slots):
     assert slots_per_layer == (slots or 16)
     # no ubatch cap: a step whose experts exceed the slots is served in rounds (the prompt stays one batch)
     assert with_pack.n_ubatch == 256
-    stock = run(src, None, n_ubatch=with_pack.n_ubatch)
-    assert stock.tokens == with_pack.tokens
+    ref = stock.run(src, n_ubatch=with_pack.n_ubatch)  # once per kind and run: the three cache sizes share it
+    assert ref.tokens == with_pack.tokens
     assert with_pack.logits.shape == (12 + 32, 151936)
-    assert np.array_equal(stock.logits, with_pack.logits), f"max |diff| {np.abs(stock.logits - with_pack.logits).max()}"
+    assert np.array_equal(ref.logits, with_pack.logits), f"max |diff| {np.abs(ref.logits - with_pack.logits).max()}"
 
     m = load_manifest(pack)
     layers = layers_from_manifest(m)
@@ -93,9 +85,9 @@ def test_lossless_bit_for_bit(model_and_pack, kind, slots):
     assert stats["fallback_count"] > 0
 
 
-def test_read_splits_stage_slots_and_buffered_io_are_lossless(model_and_pack):
+def test_read_splits_stage_slots_and_buffered_io_are_lossless(model_and_pack, stock):
     src, pack = model_and_pack("q4_k")
-    ref = run(src, None, n_ubatch=2).logits
+    ref = stock.run(src, n_ubatch=2).logits
     for kw in (dict(read_splits=4, stage_slots=1), dict(direct_io=False), dict(verify_pack_sha256=False)):
         p = _provider(pack, 2 * K + 1, **kw)
         try:
