@@ -74,8 +74,11 @@ def test_gpu_cpu_layer_split_lossless(packs, stock, arch):
     assert with_pack.error == 0
     names = sorted(d["device"] for d in s["devices"])
     assert len(names) == 2 and "CPU" in names, names
-    for d in s["devices"]:
-        assert d["layers"] > 0 and d["cache_misses"] > 0, d
+    for d in s["devices"]:  # a device whose few layers all fit holds them resident: no misses there
+        assert d["layers"] > 0, d
+        if d["resident_layers"] < d["layers"]:
+            assert d["cache_misses"] > 0, d
+    assert any(d["resident_layers"] < d["layers"] for d in s["devices"]), s["devices"]
     for k in COUNTERS:
         assert sum(d[k] for d in s["devices"]) == s[k], k
     ub = with_pack.n_ubatch

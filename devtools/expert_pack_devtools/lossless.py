@@ -85,8 +85,9 @@ def run(model_path, provider=None, n_ubatch: int = 512, prompt_len: int = 12, n_
     cp.n_ubatch = n_ubatch
     cp.n_threads = cp.n_threads_batch = n_threads
     # CPU layers compute on the CPU on both sides: on a CUDA build stock would offload a prompt's big matmuls to the
-    # GPU (op_offload), which a pack turns off (vendor/patches/0004) -- other kernels, other bits
-    cp.op_offload = n_gpu_layers != 0
+    # GPU (op_offload), which a pack turns off (vendor/patches/0004) -- other kernels, other bits. So op offload only
+    # where no layer is on the CPU (n_gpu_layers -1), where it has nothing to move
+    cp.op_offload = n_gpu_layers < 0
     if record_routing:
         from ggml_expert_pack.libggml import lib_dir
         ggml = ctypes.CDLL(str(lib_dir() / "libggml-base.so"))
