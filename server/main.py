@@ -472,8 +472,15 @@ def make_app(llm, model_path: str, alias: str | None = None, names: tuple[str, .
     return create_app(engine, model_path=model_path, stats=stats, names=names, start_time=start_time, **extra)
 
 
+_log_lock = threading.Lock()
+
+
 def _log(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
+    """One log line as one write under a lock: requests finish on several threads, and print() writes the text and
+    its newline separately, which interleaves two lines into one."""
+    with _log_lock:
+        sys.stderr.write(line + "\n")
+        sys.stderr.flush()
 
 
 class Gate:
