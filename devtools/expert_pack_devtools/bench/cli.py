@@ -1,4 +1,4 @@
-"""`expert-pack bench` (also `python -m expert_pack_devtools.bench`): list, show, run, report."""
+"""`expert-pack bench` (also `python -m expert_pack_devtools.bench`): list, show, run, report, tables."""
 from __future__ import annotations
 
 import argparse
@@ -51,6 +51,12 @@ def cmd_report(args) -> int:
     return 0
 
 
+def cmd_tables(args) -> int:
+    from . import tables
+    doc = args.doc or tables.DEFAULT_DOC
+    return tables.tables(doc, check=args.check)
+
+
 def add_bench(sub) -> None:
     p = sub.add_parser("bench", help="the benchmark harness: run a question's systems under a RAM cap, report",
                        description="Benchmarks by question (docs/BENCHMARKS.md): a question names systems (one JSON "
@@ -82,6 +88,13 @@ def add_bench(sub) -> None:
     a = bs.add_parser("report", help="OUT/report.md, table.md and rates.png from a results folder")
     a.add_argument("dir", type=Path, help="results folder of `bench run`")
     a.set_defaults(func=cmd_report)
+    a = bs.add_parser("tables", help="regenerate docs/BENCHMARKS.md's tables from the raw results they name",
+                      description="Every table between '<!-- table KIND: results/PATH[,PATH...] -->' and "
+                      "'<!-- end table -->' is recomputed from the raw files it names (paths relative to the document) "
+                      "and the region rewritten. --check rewrites nothing and exits 1 naming the tables that differ.")
+    a.add_argument("doc", type=Path, nargs="?", help="the Markdown file (default: docs/BENCHMARKS.md of this checkout)")
+    a.add_argument("--check", action="store_true", help="only compare; exit 1 if a table differs from its raw results")
+    a.set_defaults(func=cmd_tables)
 
 
 def main(argv: list[str] | None = None) -> int:
