@@ -17,6 +17,7 @@ from pathlib import Path
 
 from flask import Flask, Response, request
 
+from . import anthropic, responses
 from .engine import Cancelled, Engine, RequestError, Result
 
 STATIC = Path(__file__).parent / "static"
@@ -231,6 +232,8 @@ def _grammar(engine: Engine, body: dict, chat: bool) -> str | None:
 DEFAULTS = {"n_predict": -1, "seed": -1, "temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05,
             "repeat_penalty": 1.0}
 PUBLIC = ("/health", "/v1/health", "/")  # what --api-key leaves open, as llama-server does
+# content parts a model without a multimodal projector refuses, in llama-server's words (the kind of input)
+MEDIA_PARTS = {"image_url": "image", "input_audio": "audio", "input_video": "video", "video_url": "video"}
 
 
 def _sampling(body: dict, d: dict, temperature_hi: float | None = None) -> dict:
@@ -321,18 +324,27 @@ def create_app(engine: Engine, *, model_path: str = "", stats=None, names: tuple
         app.logger.exception("request failed")
         return _error(f"internal error: {type(e).__name__}: {e}", 500)
 
-    def sse(events):
+    def sse(events, named: bool = False, error_event: str | None = None):
+        """A stream of `data:` events; `named`: the events are (name, data) pairs, sent with an `event:` line
+        (Anthropic's and the Responses API's). A failure after the status is sent is said in the stream, as
+        llama-server does: `data: {"error"}`, or with `error_event`, that event with {"type", "error"}."""
         def gen():
             try:
                 for ev in events:
-                    yield f"data: {json.dumps(ev)}\n\n"
+                    if named:
+                        yield f"event: {ev[0]}\ndata: {json.dumps(ev[1])}\n\n"
+                    else:
+                        yield f"data: {json.dumps(ev)}\n\n"
             except Cancelled:
                 return
             except Exception as e:  # noqa: BLE001 - the status is sent: say it in the stream, as llama-server does
                 app.logger.exception("stream failed")
                 err = {"message": f"internal error: {type(e).__name__}: {e}", "type": "server_error", "param": None,
                        "code": None}
-                yield f"data: {json.dumps({'error': err})}\n\n"
+                if error_event:
+                    yield f"event: {error_event}\ndata: {json.dumps({'type': 'error', 'error': err})}\n\n"
+                else:
+                    yield f"data: {json.dumps({'error': err})}\n\n"
         return Response(gen(), mimetype="text/event-stream",
                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
@@ -438,14 +450,15 @@ def create_app(engine: Engine, *, model_path: str = "", stats=None, names: tuple
                 yield last
         return _sse_done(sse(events()))
 
-    def chat_request(body: dict) -> tuple[str, list[str]]:
+    def chat_request(body: dict, allow_empty: bool = False) -> tuple[str, list[str]]:
         """The prompt text and the template's stop strings of a chat request, as llama-server's
         oaicompat_chat_params_parse reads messages, add_generation_prompt and continue_final_message (a trailing
-        assistant message is continued: the assistant prefill)."""
+        assistant message is continued: the assistant prefill). `allow_empty`: no messages is a prompt too (the
+        template's generation prompt), as llama-server takes the converted Anthropic and Responses requests."""
         messages = body.get("messages")
         if messages is None:
             raise RequestError("'messages' is required", "messages")
-        if not isinstance(messages, list) or not messages:
+        if not isinstance(messages, list) or not (messages or allow_empty):
             raise RequestError("'messages' must be a non-empty list", "messages")
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or not isinstance(m.get("role"), str):
@@ -457,6 +470,11 @@ def create_app(engine: Engine, *, model_path: str = "", stats=None, names: tuple
                                    f"messages[{i}]")
             c = m.get("content")
             if isinstance(c, list):  # content parts: keep the text ones
+                media = next((p["type"] for p in c if isinstance(p, dict) and isinstance(p.get("type"), str)
+                              and p["type"] in MEDIA_PARTS), None)
+                if media is not None:  # llama-server's words and status (a model without a projector)
+                    raise RequestError(f"{MEDIA_PARTS[media]} input is not supported - hint: if this is unexpected, "
+                                       "you may need to provide the mmproj", f"messages[{i}]", status=500)
                 if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
                            for p in c):
                     raise RequestError(f"messages[{i}].content: only text parts are supported", f"messages[{i}]")
@@ -466,35 +484,50 @@ def create_app(engine: Engine, *, model_path: str = "", stats=None, names: tuple
         add_gen = _get(body, "add_generation_prompt", bool, True)
         cfm = body.get("continue_final_message")
         cont = cfm is True or cfm in ("content", "reasoning_content")
-        if not cont and messages[-1]["role"] == "assistant":  # llama-server's prefill_assistant (on by default)
+        # llama-server's prefill_assistant (on by default)
+        if not cont and messages and messages[-1]["role"] == "assistant":
             if len(messages) >= 2 and messages[-2]["role"] == "assistant":
                 raise RequestError("Cannot have 2 or more assistant messages at the end of the list.", "messages")
             cont, add_gen = True, False
         if cont and add_gen:
             raise RequestError("Cannot set both add_generation_prompt and continue_final_message to true.",
                                "continue_final_message")
+        if cont and not messages:
+            raise RequestError("continue_final_message: there is no message to continue", "continue_final_message")
         if cont and messages[-1]["role"] == "assistant" and messages[-1].get("tool_calls"):
             raise RequestError("Cannot continue an assistant message that contains tool calls.",
                                "continue_final_message")
         return engine.chat_prompt(messages, add_generation_prompt=add_gen, continue_final=cont)
+
+    def chat_tokens(body: dict, allow_empty: bool = False) -> tuple[list[int], list[str]]:
+        """A chat request's prompt tokens (the BOS added where the model wants one and the template left it out)
+        and the template's stop strings."""
+        text, template_stop = chat_request(body, allow_empty)
+        prompt = engine.tokenize(text, add_special=False)
+        if prompt and engine.llm.token_bos() >= 0 and engine.llm._model.add_bos_token() and \
+                prompt[0] != engine.llm.token_bos():
+            prompt = [engine.llm.token_bos()] + prompt
+        return prompt, template_stop
+
+    def chat_generation(body: dict, allow_empty: bool = False, default: int | None = default_n):
+        """Start a chat request's generation (the chat path every chat-like endpoint shares: template, budget,
+        sampling, stop strings, grammar): (prompt tokens, Result, pieces iterator). `default`: the tokens to generate
+        when the request does not say (within the context)."""
+        prompt, template_stop = chat_tokens(body, allow_empty)
+        n = engine.check_budget(len(prompt), max_tokens_of(body, None), "max_tokens", default)
+        kw = dict(_sampling(body, d, 2), stop=_stop(body) + template_stop, **extras(body, chat=True))
+        r = Result()
+        request.environ["expert_pack.usage"] = (len(prompt), r)
+        return prompt, r, engine.generate(prompt, n, r, cancelled=disconnected(), **kw)
 
     @app.post("/v1/chat/completions")
     @app.post("/chat/completions")
     def chat_completions():
         body = _body()
         check_model(body)
-        text, template_stop = chat_request(body)
-        prompt = engine.tokenize(text, add_special=False)
-        if prompt and engine.llm.token_bos() >= 0 and engine.llm._model.add_bos_token() and \
-                prompt[0] != engine.llm.token_bos():
-            prompt = [engine.llm.token_bos()] + prompt
-        n = engine.check_budget(len(prompt), max_tokens_of(body, None), "max_tokens", default_n)
-        kw = dict(_sampling(body, d, 2), stop=_stop(body) + template_stop, **extras(body, chat=True))
         stream = _get(body, "stream", bool, False)
+        prompt, r, pieces = chat_generation(body)
         cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        r = Result()
-        request.environ["expert_pack.usage"] = (len(prompt), r)
-        pieces = engine.generate(prompt, n, r, cancelled=disconnected(), **kw)
 
         if not stream:
             for _ in pieces:
@@ -523,6 +556,58 @@ def create_app(engine: Engine, *, model_path: str = "", stats=None, names: tuple
         body = _body()
         text, _ = chat_request(body)
         return {"prompt": text}
+
+    # --- token counting: the prompt a request would have, without generating (llama-server's
+    # handle_count_tokens; "object" on the OpenAI ones) ----------------------------------------------------------
+    @app.post("/v1/chat/completions/input_tokens")
+    @app.post("/chat/completions/input_tokens")
+    def chat_input_tokens():
+        body = _body()
+        return {"input_tokens": len(chat_tokens(body)[0]), "object": "response.input_tokens"}
+
+    @app.post("/v1/responses/input_tokens")
+    @app.post("/responses/input_tokens")
+    def responses_input_tokens():
+        body = _body()
+        return {"input_tokens": len(chat_tokens(responses.to_chat(body), allow_empty=True)[0]),
+                "object": "response.input_tokens"}
+
+    @app.post("/v1/messages/count_tokens")
+    def anthropic_count_tokens():
+        body = _body()
+        return {"input_tokens": len(chat_tokens(anthropic.to_chat(body), allow_empty=True)[0])}
+
+    # --- Anthropic's Messages API and OpenAI's Responses API, over the chat path -------------------------------
+    @app.post("/v1/messages")
+    def anthropic_messages():
+        body = _body()
+        check_model(body)
+        chat = anthropic.to_chat(body)
+        stream = _get(chat, "stream", bool, False)
+        # no max_tokens: llama-server's 4096, within the context and the server's -n
+        default = anthropic.DEFAULT_MAX_TOKENS if default_n is None else min(default_n, anthropic.DEFAULT_MAX_TOKENS)
+        prompt, r, pieces = chat_generation(chat, allow_empty=True, default=default)
+        cid = f"chatcmpl-{_random_id()}"  # llama-server's id for every chat-like reply
+        if not stream:
+            for _ in pieces:
+                pass
+            return anthropic.message(cid, engine.alias, len(prompt), r)
+        return sse(anthropic.events(cid, engine.alias, len(prompt), r, pieces), named=True, error_event="error")
+
+    @app.post("/v1/responses")
+    @app.post("/responses")
+    def responses_create():
+        body = _body()
+        check_model(body)
+        chat = responses.to_chat(body)
+        stream = _get(chat, "stream", bool, False)
+        prompt, r, pieces = chat_generation(chat, allow_empty=True)
+        rid, mid, created = f"resp_{_random_id()}", f"msg_{_random_id()}", int(time.time())
+        if not stream:
+            for _ in pieces:
+                pass
+            return responses.response(rid, mid, engine.alias, len(prompt), r, created)
+        return sse(responses.events(rid, mid, engine.alias, len(prompt), r, pieces, created), named=True)
 
     # --- llama-server ----------------------------------------------------------------------------------------
     @app.post("/completion")
@@ -695,6 +780,14 @@ def create_app(engine: Engine, *, model_path: str = "", stats=None, names: tuple
             return Response((STATIC / "index.html").read_text(), mimetype="text/html")
 
     return app
+
+
+def _random_id() -> str:
+    """llama-server's random_string: 32 letters and digits (the ids of Anthropic and Responses replies)."""
+    import secrets
+    import string
+    alnum = string.digits + string.ascii_uppercase + string.ascii_lowercase
+    return "".join(secrets.choice(alnum) for _ in range(32))
 
 
 def _usage(prompt: list[int], r: Result) -> dict:

@@ -1,8 +1,10 @@
 """Shared fixtures: small synthetic models generated once per test session (seconds each)."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -80,6 +82,52 @@ def packs(synth_model, tmp_path_factory):
             cache[src] = (src, build(src, root / f"{name}-{len(cache)}").pack_dir)
         return cache[src]
     return get
+
+
+@dataclasses.dataclass
+class Served:
+    """A running `expert-pack serve`: its base URL, its log file (stdout and stderr) and its process."""
+    base: str
+    log: Path
+    proc: subprocess.Popen
+
+
+@pytest.fixture(scope="session")
+def start_serve(tmp_path_factory):
+    """start_serve(model, args=(), name="serve") -> a context manager that runs `expert-pack serve [model] *args
+    --port <free>` (model: a pack folder or a GGUF file; None when args name it with -m) from the checkout, its
+    output in a log file of its own, and yields a Served once /health answers (the test fails with the log if it
+    never does); leaving it stops the server (SIGTERM, then SIGKILL after 10 s). A module's server:
+
+        with start_serve(packs("qwen3moe")[1], ["-c", 512, "-t", 2]) as s:
+            yield s.base
+    """
+    from expert_pack_devtools.bench_client import free_port, wait_healthy
+    from expert_pack_devtools.proc import expert_pack_argv
+
+    @contextlib.contextmanager
+    def start(model=None, args=(), name: str = "serve", timeout_s: float = 120):
+        log_path = tmp_path_factory.mktemp(name) / "server.log"
+        port = free_port()
+        cmd = [*expert_pack_argv(), "serve", *([] if model is None else [str(model)]), *map(str, args),
+               "--port", str(port)]
+        base = f"http://127.0.0.1:{port}"
+        with open(log_path, "w+") as log:
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=_CHECKOUT)
+            try:
+                if not wait_healthy(base, proc, timeout_s):
+                    proc.kill()
+                    pytest.fail(f"server did not start:\n{log_path.read_text()}")
+                yield Served(base, log_path, proc)
+            finally:
+                proc.terminate()
+                try:
+                    proc.wait(10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+
+    return start
 
 
 @pytest.fixture(scope="session")

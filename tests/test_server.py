@@ -6,7 +6,6 @@ import json
 import re
 import shutil
 import socket
-import subprocess
 import threading
 import time
 import urllib.error
@@ -15,9 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from expert_pack_devtools.bench_client import free_port, wait_healthy
+from expert_pack_devtools.bench_client import free_port
 from ggml_expert_pack.packer import build
-from expert_pack_devtools.proc import expert_pack_argv
 
 ROOT = Path(__file__).resolve().parent.parent
 ARTIFACTS = ROOT / "test-artifacts"
@@ -26,28 +24,15 @@ LOG: dict[str, Path] = {}  # the module server's log, for the tests that read it
 
 
 @pytest.fixture(scope="module")
-def server(synth_model, tmp_path_factory):
+def server(synth_model, tmp_path_factory, start_serve):
     model = synth_model("qwen3moe")
     pack = tmp_path_factory.mktemp("srv") / "pack"
     build(model, pack, progress=False)
-    port = free_port()
-    log = open(pack.parent / "server.log", "w+")
-    LOG["path"] = pack.parent / "server.log"
-    cmd = [*expert_pack_argv(), "serve", "-m", str(pack / "trunk.gguf"),
-           "--expert-pack", str(pack), "-c", str(N_CTX), "--port", str(port), "--alias", "tiny-moe", "-t", "2",
-           "--stats-file", str(pack.parent / "stats.json"), "--ram-cache-mib", "64"]
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
-    base = f"http://127.0.0.1:{port}"
-    if not wait_healthy(base, proc, 120):
-        log.seek(0)
-        proc.kill()
-        pytest.fail(f"server did not start:\n{log.read()}")
-    yield base
-    proc.terminate()
-    try:
-        proc.wait(10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+    args = ["-m", pack / "trunk.gguf", "--expert-pack", pack, "-c", N_CTX, "--alias", "tiny-moe", "-t", 2,
+            "--stats-file", pack.parent / "stats.json", "--ram-cache-mib", 64]
+    with start_serve(None, args, name="srv") as s:
+        LOG["path"] = s.log
+        yield s.base
 
 
 def post(base, path, body, raw: bytes | None = None):
@@ -485,26 +470,12 @@ KEY = "s3cret"
 
 
 @pytest.fixture(scope="module")
-def flagged(packs, tmp_path_factory):
+def flagged(packs, start_serve):
     """A server started with llama-server's request-default and access flags."""
-    pack = packs("qwen3moe")[1]
-    port = free_port()
-    log = open(tmp_path_factory.mktemp("flagged") / "server.log", "w+")
-    cmd = [*expert_pack_argv(), "serve", str(pack), "-c", str(N_CTX), "--port", str(port),
-           "-t", "2", "-n", "5", "--seed", "3", "--temp", "0", "--top-k", "7", "--top-p", "0.5", "--min-p", "0.1",
-           "--repeat-penalty", "1.1", "--api-key", f"{KEY},other", "--metrics", "--no-webui", "--no-slots"]
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
-    base = f"http://127.0.0.1:{port}"
-    if not wait_healthy(base, proc, 120):  # /health needs no key
-        log.seek(0)
-        proc.kill()
-        pytest.fail(f"server did not start:\n{log.read()}")
-    yield base
-    proc.terminate()
-    try:
-        proc.wait(10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+    args = ["-c", N_CTX, "-t", 2, "-n", 5, "--seed", 3, "--temp", 0, "--top-k", 7, "--top-p", 0.5, "--min-p", 0.1,
+            "--repeat-penalty", 1.1, "--api-key", f"{KEY},other", "--metrics", "--no-webui", "--no-slots"]
+    with start_serve(packs("qwen3moe")[1], args, name="flagged") as s:  # /health needs no key
+        yield s.base
 
 
 def call(base, path, body=None, headers=None) -> tuple[int, dict, dict]:

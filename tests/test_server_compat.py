@@ -8,41 +8,20 @@ from __future__ import annotations
 import base64
 import json
 import struct
-import subprocess
 import urllib.error
 import urllib.request
-from pathlib import Path
 
 import pytest
 
-from expert_pack_devtools.bench_client import free_port, wait_healthy
-from expert_pack_devtools.proc import expert_pack_argv
-
-ROOT = Path(__file__).resolve().parent.parent
 N_CTX = 512
 
 
 @pytest.fixture(scope="module")
-def srv(packs, tmp_path_factory):
-    pack = packs("qwen3moe")[1]
-    port = free_port()
-    log = open(tmp_path_factory.mktemp("compat") / "server.log", "w+")
-    cmd = [*expert_pack_argv(), "serve", str(pack), "-c", str(N_CTX), "--port", str(port), "-t", "2",
-           "--alias", "tiny-moe", "--embedding", "--pooling", "mean"]
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
-    base = f"http://127.0.0.1:{port}"
-    if not wait_healthy(base, proc, 120):
-        log.seek(0)
-        proc.kill()
-        pytest.fail(f"server did not start:\n{log.read()}")
-    yield base
-    proc.terminate()
-    try:
-        proc.wait(10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-    log.seek(0)
-    assert "Traceback" not in log.read()
+def srv(packs, start_serve):
+    args = ["-c", N_CTX, "-t", 2, "--alias", "tiny-moe", "--embedding", "--pooling", "mean"]
+    with start_serve(packs("qwen3moe")[1], args, name="compat") as s:
+        yield s.base
+    assert "Traceback" not in s.log.read_text()
 
 
 def call(base, path, body=None):
