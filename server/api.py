@@ -509,12 +509,13 @@ def create_app(engine: Engine, *, model_path: str = "", stats=None, names: tuple
             prompt = [engine.llm.token_bos()] + prompt
         return prompt, template_stop
 
-    def chat_generation(body: dict, allow_empty: bool = False, default: int | None = default_n):
+    def chat_generation(body: dict, allow_empty: bool = False, default: int | None = default_n,
+                        budget_param: str = "max_tokens"):
         """Start a chat request's generation (the chat path every chat-like endpoint shares: template, budget,
         sampling, stop strings, grammar): (prompt tokens, Result, pieces iterator). `default`: the tokens to generate
-        when the request does not say (within the context)."""
+        when the request does not say (within the context); `budget_param`: the field a budget error names."""
         prompt, template_stop = chat_tokens(body, allow_empty)
-        n = engine.check_budget(len(prompt), max_tokens_of(body, None), "max_tokens", default)
+        n = engine.check_budget(len(prompt), max_tokens_of(body, None), budget_param, default)
         kw = dict(_sampling(body, d, 2), stop=_stop(body) + template_stop, **extras(body, chat=True))
         r = Result()
         request.environ["expert_pack.usage"] = (len(prompt), r)
@@ -601,7 +602,8 @@ def create_app(engine: Engine, *, model_path: str = "", stats=None, names: tuple
         check_model(body)
         chat = responses.to_chat(body)
         stream = _get(chat, "stream", bool, False)
-        prompt, r, pieces = chat_generation(chat, allow_empty=True)
+        prompt, r, pieces = chat_generation(chat, allow_empty=True, budget_param="max_output_tokens"
+                                            if body.get("max_output_tokens") is not None else "max_tokens")
         rid, mid, created = f"resp_{_random_id()}", f"msg_{_random_id()}", int(time.time())
         if not stream:
             for _ in pieces:

@@ -74,7 +74,7 @@ def _items(items: list) -> list[dict]:
         if role in _INPUT_ROLES and isinstance(content, (str, list)):
             parts = [{"text": content, "type": "text"}] if isinstance(content, str) else _input_parts(content, where)
             messages.append({"role": role, "content": parts})
-        elif role == "assistant" and kind in ("message", None) and (content is None or isinstance(content, (str, list))):
+        elif role == "assistant" and kind in ("message", None) and isinstance(content, (str, list, type(None))):
             parts = _output_parts(content, where)
             if merge:
                 prev = messages[-1]
