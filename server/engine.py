@@ -2,11 +2,11 @@
 arrival order, every generation cancellable between tokens.
 
 llama.cpp's context is not reentrant, so the server runs a single lane; a ticket lock (not a plain Lock, whose
-wake-up order is unspecified) makes the waiting order the arrival order. Text comes from llama-cpp-python's
-own `create_completion` (stop strings, UTF-8 boundaries and sampling stay upstream's); a logits processor
-counts sampled tokens (for usage and timings), masks end-of-generation tokens for `ignore_eos`, and is where a
-cancelled request stops: raising from it ends the generation before the next token is computed.
-"""
+wake-up order is unspecified) makes the waiting order the arrival order. The token loop is the server's own and
+does no per-token work on the vocabulary in Python: sampling is one llama.cpp sampler chain per request
+(sampling.py: llama-cpp-python's chain and order, so seeds give its tokens), text and stop strings are incremental
+(text_stream.py), and each token is decoded through llama-cpp-python's `eval`, which keeps the token history that
+the next request's prompt prefix is matched against."""
 from __future__ import annotations
 
 import threading
@@ -15,6 +15,9 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 import numpy as np
+
+from .sampling import Sampler, piece_reader
+from .text_stream import TextStream
 
 
 class RequestError(ValueError):
@@ -119,6 +122,9 @@ class Engine:
         import llama_cpp
         n_vocab = llm.n_vocab()
         self._eog = np.array([t for t in range(n_vocab) if llama_cpp.llama_vocab_is_eog(vocab, t)], dtype=np.int64)
+        eog = frozenset(self._eog.tolist())
+        self._is_eog = eog.__contains__
+        self._piece = piece_reader(llm)
         self.n_tasks = 0              # generations started (/slots' id_task)
         self.last: Result | None = None  # the running or last generation (/slots)
         # the context was made with embeddings on (serve --embedding): they are switched on for an embedding
@@ -256,73 +262,66 @@ class Engine:
 
     def _generate_locked(self, prompt, max_tokens, result, temperature, top_p, top_k, min_p, repeat_penalty, seed,
                          stop, ignore_eos, logit_bias, grammar, cancelled):
+        """The token loop: one C sampler chain for the request (server/sampling.py), one decode per token through
+        llama-cpp-python's `eval` (which keeps its token history for the next request's prefix reuse), text with
+        stop strings from server/text_stream.py; cancellation is checked between tokens."""
+        import random
+
         import llama_cpp
         llm = self.llm
         t = result.timings
-        marks: list[float] = []
-        eog = self._eog
-
-        stop_now = [False]
-        bias_ids = np.array(list(logit_bias), dtype=np.int64) if logit_bias else None
-        bias_values = np.array(list(logit_bias.values()), dtype=np.float32) if logit_bias else None
-
-        def processor(input_ids, scores):
-            # runs inside a ctypes callback, where an exception would be swallowed: a cancelled generation is
-            # ended by forcing an end-of-generation token instead, and the loop below raises Cancelled (with a
-            # grammar, which could refuse that token, the stopping criterion below ends it after this token)
-            marks.append(time.perf_counter())
-            if cancelled() and len(eog) and grammar is None:
-                stop_now[0] = True
-                scores[:] = -np.inf
-                scores[eog[0]] = 0.0
-                return scores
-            if bias_ids is not None:
-                scores[bias_ids] += bias_values
-            if ignore_eos and len(eog):
-                scores[eog] = -np.inf
-            return scores
-
-        def stopping(input_ids, logits) -> bool:
-            if cancelled():
-                stop_now[0] = True
-            return stop_now[0]
-
+        if seed is None:  # as create_completion: the next seed of the model's own sequence
+            seed = random.Random(llm._seed).randint(0, 2**32)
+        llm.set_seed(seed)
         llama_cpp.llama_perf_context_reset(llm.ctx)
         t0 = time.perf_counter()
         t.cache_n = self._prime(prompt)
-        stream = llm.create_completion(prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                                       top_k=top_k, min_p=min_p, repeat_penalty=repeat_penalty, seed=seed,
-                                       stop=stop or [], stream=True,
-                                       logits_processor=llama_cpp.LogitsProcessorList([processor]),
-                                       stopping_criteria=llama_cpp.StoppingCriteriaList([stopping]),
-                                       grammar=None if grammar is None else
-                                       llama_cpp.LlamaGrammar.from_string(grammar, verbose=False))
-        pieces = []
+        llm.n_tokens = len(prompt) - 1  # the last prompt token is evaluated alone (see _prime)
+        sampler = Sampler(llm, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                          repeat_penalty=repeat_penalty, seed=seed, logit_bias=logit_bias,
+                          ban=self._eog.tolist() if ignore_eos else (), grammar=grammar)
+        text = TextStream(stop)
+        piece, is_eog, ctx = self._piece, self._is_eog, llm.ctx
+        pieces: list[str] = []
+        completion: list[int] = []
+        t_first = None
+        result.finish_reason = "length"
         try:
-            for chunk in stream:
-                choice = chunk["choices"][0]
-                if choice["text"]:
-                    pieces.append(choice["text"])
-                    yield choice["text"]
-                if choice.get("finish_reason"):
-                    result.finish_reason = choice["finish_reason"]
-                if stop_now[0] or cancelled():
+            llm.eval(prompt[-1:])
+            while len(completion) < max_tokens:
+                if cancelled():
                     raise Cancelled()
-            if stop_now[0]:
-                raise Cancelled()
+                token = sampler.sample(ctx)
+                if t_first is None:
+                    t_first = time.perf_counter()
+                completion.append(token)
+                if is_eog(token):
+                    result.finish_reason = "stop"
+                    break
+                out = text.push(piece(token))
+                if out:
+                    pieces.append(out)
+                    yield out
+                if text.stopped_by:
+                    result.finish_reason = "stop"
+                    break
+                if len(completion) < max_tokens:
+                    llm.eval([token])
+            if not text.stopped_by:
+                out = text.finish()
+                if out:
+                    pieces.append(out)
+                    yield out
         finally:
-            stream.close()
+            sampler.close()
             t1 = time.perf_counter()
             result.text = "".join(pieces)
-            perf = llama_cpp.llama_perf_context(llm.ctx)
+            result.stopping_word = text.stopped_by
             # prompt: tokens actually evaluated (a reused prefix costs nothing), up to the first sample
-            t.prompt_n = len(prompt) - t.cache_n  # evaluated now; the rest came from the cache
-            t.prompt_ms = 1e3 * ((marks[0] if marks else t1) - t0)
-            t.predicted_n = len(marks)
-            t.predicted_ms = 1e3 * (t1 - marks[0]) if marks else 0.0
-            if stop and result.finish_reason == "stop":
-                tail = llm.detokenize(llm._input_ids[len(prompt):].tolist()).decode("utf-8", "replace")
-                result.stopping_word = next((s for s in stop if s in tail), "")
+            t.prompt_n = len(prompt) - t.cache_n
+            t.prompt_ms = 1e3 * ((t_first if t_first is not None else t1) - t0)
+            t.predicted_n = len(completion)
+            t.predicted_ms = 1e3 * (t1 - t_first) if t_first is not None else 0.0
             with self._totals_lock:
                 tot = self.totals
                 tot.requests += 1
