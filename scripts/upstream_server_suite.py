@@ -1,0 +1,392 @@
+#!/usr/bin/env python3
+"""Run llama.cpp's own server test suite (the vendored tools/server/tests: pytest files in unit/, helper utils.py)
+against three servers on one local synthetic MoE model, and tabulate the outcome per test file:
+
+  stock  stock llama-server, built from the pristine vendored sdist (scripts/build_stock_server.sh)
+  fork   the fork's llama-server --expert-pack PACK (an expert cache that evicts)
+  serve  expert-pack serve PACK (the same cache)
+
+Nothing is downloaded and the vendored files are not edited: the tests are copied into --work (they write tmp/
+beside themselves and read ../../../models/templates), and the pytest plugin upstream_suite/ep_upstream_plugin.py
+points every model the suite would fetch from Hugging Face at the synthetic model (a tiny random-weight qwen3moe with
+the qwen2 vocabulary, generated once into --work). For fork and serve, LLAMA_SERVER_BIN_PATH is a wrapper
+(upstream_suite/shim.py) that adds the pack, or translates the command line to `expert-pack serve`.
+
+upstream_suite/known.toml lists, once, the files not run (features out of scope: vision, LoRA, speculative decoding,
+router mode, ...) and the tests that cannot pass on a random-weight model (assertions on the generated text), with a
+reason each. The baseline is what passes on stock; fork and serve are counted against it.
+
+The suite's requirements (its requirements.txt, plus pytest-timeout) go into a separate venv (--venv, created when
+missing with this interpreter's `-m venv`; never the venv this script runs in). Run it with the Python that has
+ggml_expert_pack and expert_pack_devtools installed, from outside the checkout:
+
+  cd /tmp && python /work/main/scripts/upstream_server_suite.py --out /tmp/ups-out
+  cd /tmp && python /work/main/scripts/upstream_server_suite.py --targets fork --files test_basic.py test_tokenize.py
+
+Writes to --out: junit-TARGET.xml, pytest-TARGET.log, summary.json (every test's outcome per target, the baseline,
+what fails where, the run's commit, date, machine and command) and table.md. Exit status 0 when the fork passes every
+test that passes on stock, 1 otherwise.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import fnmatch
+import json
+import os
+import platform
+import shlex
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import tomllib
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+HERE = Path(__file__).resolve().parent / "upstream_suite"
+KNOWN = HERE / "known.toml"
+LLAMA_CPP = ROOT / "vendor" / "upstream" / "llama_cpp_python-0.3.36" / "vendor" / "llama.cpp"
+TESTS = LLAMA_CPP / "tools" / "server" / "tests"
+STOCK_BIN = ROOT / "build" / "stock-server" / "bin" / "llama-server"
+TARGETS = ("stock", "fork", "serve")
+
+# The order files run in: the core API first, so that a run cut short still covers it.
+ORDER = [
+    "test_basic.py", "test_tokenize.py", "test_completion.py", "test_chat_completion.py", "test_ignore_eos.py",
+    "test_ctx_shift.py", "test_security.py", "test_metrics.py", "test_slot_save.py", "test_template.py",
+    "test_tool_call.py", "test_infill.py", "test_embedding.py", "test_rerank.py", "test_kv_keep_only_active.py",
+    "test_sleep.py", "test_compat_oai_responses.py", "test_compat_anthropic.py", "test_compat_gcp.py",
+    "test_proxy.py",
+]
+
+
+def load_known(path: Path = KNOWN) -> dict:
+    with open(path, "rb") as f:
+        return tomllib.load(f)
+
+
+def suite_files(known: dict) -> tuple[list[str], dict[str, str]]:
+    """(files to run, in ORDER first; files not run -> reason)."""
+    present = sorted(p.name for p in (TESTS / "unit").glob("test_*.py"))
+    excluded = {f: v["reason"] for f, v in known.get("excluded", {}).items()}
+    ordered = [f for f in ORDER if f in present] + [f for f in present if f not in ORDER]
+    return [f for f in ordered if f not in excluded], excluded
+
+
+def expected_failure(test_id: str, known: dict) -> str | None:
+    """The reason known.toml gives for `test_id` (FILE::NAME[PARAMS]) not passing on a random-weight model."""
+    for pattern, v in known.get("random_weights", {}).items():
+        if fnmatch.fnmatchcase(test_id, pattern):
+            return v["reason"]
+    return None
+
+
+# ---- setup -------------------------------------------------------------------------------------------------------
+def ensure_venv(venv: Path, log) -> Path:
+    py = venv / "bin" / "python"
+    if Path(sys.prefix).resolve() == venv.resolve():
+        raise SystemExit(f"--venv {venv} is the venv this script runs in; give the suite its own")
+    stamp = venv / ".ep-upstream-requirements"
+    want = (TESTS / "requirements.txt").read_text() + "pytest-timeout\n"
+    if py.exists() and stamp.exists() and stamp.read_text() == want:
+        return py
+    log(f"venv: {venv}")
+    if not py.exists():
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    subprocess.run([str(py), "-m", "pip", "install", "-q", "-r", str(TESTS / "requirements.txt"), "pytest-timeout"],
+                   check=True)
+    stamp.write_text(want)
+    return py
+
+
+def make_vocab(dest: Path) -> Path:
+    """The vocab of the suite's own tiny models (llama's SentencePiece vocabulary, which adds BOS, as
+    stories260K's does), with the ChatML chat template of the qwen2 vocab (stories260K has none; a template lets the
+    chat endpoints of `expert-pack serve`, which renders the model's own, run too)."""
+    from ggml_expert_pack.gguf_file import read_header
+    from ggml_expert_pack.gguf_stream import GGUFStreamWriter, kv_str
+    spm = read_header(LLAMA_CPP / "models" / "ggml-vocab-llama-spm.gguf")
+    qwen2 = read_header(LLAMA_CPP / "models" / "ggml-vocab-qwen2.gguf")
+    kvs = [kv for k, kv in spm.kvs.items() if k != "tokenizer.chat_template"]
+    kvs.append(kv_str("tokenizer.chat_template", qwen2.kvs["tokenizer.chat_template"].value))
+    tmp = dest.with_suffix(".tmp")
+    w = GGUFStreamWriter(tmp, kvs, [])
+    with open(tmp, "wb") as f:
+        w.begin(f)
+    os.replace(tmp, dest)
+    return dest
+
+
+MODEL_DESCRIPTION = ("qwen3moe, shape tiny (4 layers x 16 experts, top-4, hidden 256), random weights (seed 42), "
+                     "llama SentencePiece vocab (32,000 tokens) with a ChatML template")
+
+
+def ensure_model(work: Path, log) -> tuple[Path, Path]:
+    """The synthetic model and its pack, made once into work/models."""
+    from expert_pack_devtools.synth import SHAPES, SynthConfig, generate
+    from ggml_expert_pack.packer import build
+    d = work / "models"
+    d.mkdir(parents=True, exist_ok=True)
+    model, pack = d / "tiny-qwen3moe-spm.gguf", d / "tiny-qwen3moe-spm.pack"
+    if not model.exists():
+        log(f"model: {model}")
+        vocab = make_vocab(d / "vocab-llama-spm-chatml.gguf")
+        cfg = SynthConfig.from_dict({"arch": "qwen3moe", **SHAPES["tiny"], "name": "tiny-qwen3moe-spm", "seed": 42,
+                                     "vocab": str(vocab)})
+        generate(cfg, model, progress=False)
+    if not (pack / "manifest.json").exists():
+        log(f"pack: {pack}")
+        shutil.rmtree(pack, ignore_errors=True)
+        build(model, pack)
+    return model, pack
+
+
+def ensure_stock(path: Path, build_if_missing: bool, log) -> Path:
+    if path.exists():
+        return path
+    if not build_if_missing or path != STOCK_BIN:
+        raise SystemExit(f"no stock llama-server at {path}: run scripts/build_stock_server.sh (or --build-stock)")
+    log("building stock llama-server (scripts/build_stock_server.sh)")
+    subprocess.run(["bash", str(ROOT / "scripts" / "build_stock_server.sh")], check=True, cwd=ROOT)
+    return path
+
+
+def copy_tests(dest: Path) -> Path:
+    """A fresh copy of the suite at dest/llama.cpp/tools/server/tests, with the models/ and tools/mtmd/ it reads
+    by relative path linked beside it."""
+    root = dest / "llama.cpp"
+    shutil.rmtree(root, ignore_errors=True)
+    (root / "tools").mkdir(parents=True)
+    os.symlink(LLAMA_CPP / "models", root / "models")
+    os.symlink(LLAMA_CPP / "tools" / "mtmd", root / "tools" / "mtmd")
+    (root / "tools" / "server").mkdir()
+    shutil.copytree(TESTS, root / "tools" / "server" / "tests",
+                    ignore=shutil.ignore_patterns("tmp", "__pycache__", ".pytest_cache"))
+    tests = root / "tools" / "server" / "tests"
+    (tests / "tmp").mkdir()
+    return tests
+
+
+def write_wrapper(path: Path, mode: str, bin_path: Path, model: Path, pack: Path, cache_mib: float) -> Path:
+    shim_py = sys.executable
+    args = [shim_py, str(HERE / "shim.py"), "--mode", mode, "--bin", str(bin_path), "--model", str(model),
+            "--pack", str(pack), "--cache-mib", f"{cache_mib:.3f}", "--"]
+    path.write_text(f"#!/bin/sh\nexec {shlex.join(args)} \"$@\"\n")
+    path.chmod(0o755)
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---- run and read ------------------------------------------------------------------------------------------------
+def run_target(target: str, server_bin: Path, files: list[str], py: Path, model: Path, work: Path, out: Path,
+               timeout_s: int, log) -> dict:
+    tests = copy_tests(work / target)
+    junit = out / f"junit-{target}.xml"
+    env = {**os.environ, "LLAMA_SERVER_BIN_PATH": str(server_bin), "EP_UPSTREAM_MODEL": str(model),
+           "PYTHONPATH": str(HERE), "PORT": str(free_port()), "LLAMA_CACHE": str(work / "llama-cache"),
+           "PYTHONDONTWRITEBYTECODE": "1"}
+    for k in ("SLOW_TESTS", "DEBUG", "DEBUG_EXTERNAL", "N_GPU_LAYERS", "LLAMA_ARG_HOST", "LLAMA_API_KEY"):
+        env.pop(k, None)
+    cmd = [str(py), "-m", "pytest", "-p", "ep_upstream_plugin", "-p", "no:cacheprovider", "-m", "not slow",
+           f"--timeout={timeout_s}", f"--junitxml={junit}", "-o", "junit_family=xunit1", "-rA", "-v",
+           *[f"unit/{f}" for f in files]]
+    log(f"{target}: {shlex.join(cmd)}  (in {tests}, LLAMA_SERVER_BIN_PATH={server_bin})")
+    t0 = time.time()
+    with open(out / f"pytest-{target}.log", "w") as f:
+        rc = subprocess.run(cmd, cwd=tests, env=env, stdout=f, stderr=subprocess.STDOUT).returncode
+    wall = time.time() - t0
+    results = read_junit(junit) if junit.exists() else {}
+    log(f"{target}: pytest exit {rc}, {len(results)} tests in {wall:.0f} s")
+    return {"rc": rc, "wall_s": round(wall, 1), "bin": str(server_bin), "results": results}
+
+
+def read_junit(path: Path) -> dict[str, str]:
+    """FILE::NAME[PARAMS] -> passed / failed / skipped."""
+    out = {}
+    for tc in ET.parse(path).getroot().iter("testcase"):
+        cls, name = tc.get("classname", ""), tc.get("name", "")
+        if cls:
+            key = f"{cls.split('.')[-1]}.py::{name}"
+        else:  # a collection error: the module itself
+            key = f"{name.split('.')[-1]}.py::<collection>"
+        tags = {c.tag for c in tc}
+        out[key] = "failed" if tags & {"failure", "error"} else "skipped" if "skipped" in tags else "passed"
+    return out
+
+
+def summarize(runs: dict[str, dict], files: list[str], excluded: dict[str, str], known: dict) -> dict:
+    stock = runs.get("stock", {}).get("results", {})
+    baseline = sorted(t for t, o in stock.items() if o == "passed")
+    s: dict = {"baseline": baseline, "per_target": {}, "unexplained_on_stock": {}, "explained_on_stock": {}}
+    for t, o in sorted(stock.items()):
+        if o == "failed":
+            why = expected_failure(t, known)
+            (s["explained_on_stock"] if why else s["unexplained_on_stock"])[t] = why or ""
+    for target, r in runs.items():
+        res = r["results"]
+        counts = {o: sum(1 for v in res.values() if v == o) for o in ("passed", "failed", "skipped")}
+        of_base = [t for t in baseline if res.get(t) == "passed"]
+        s["per_target"][target] = {
+            **counts, "baseline_passed": len(of_base) if stock else None,
+            "baseline_not_passed": {t: res.get(t, "not run") for t in baseline if res.get(t) != "passed"},
+            "passed_not_on_stock": sorted(t for t, o in res.items() if o == "passed" and t not in set(baseline))
+            if stock else [],
+        }
+    s["files"] = files
+    s["excluded"] = excluded
+    return s
+
+
+def table(runs: dict[str, dict], files: list[str], excluded: dict[str, str], s: dict) -> str:
+    targets = list(runs)
+    base = set(s["baseline"])
+    have_stock = "stock" in runs
+    head = ["file", "tests"] + [f"{t} p/f/s" for t in targets]
+    if have_stock:
+        head += ["stock passes"] + [f"{t} of those" for t in targets if t != "stock"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    tot = {t: [0, 0, 0] for t in targets}
+    tot_base = {t: 0 for t in targets}
+    n_all = 0
+    for f in files:
+        ids = sorted({k for r in runs.values() for k in r["results"] if k.startswith(f + "::")})
+        n_all += len(ids)
+        row = [f, str(len(ids))]
+        for t in targets:
+            res = runs[t]["results"]
+            c = [sum(1 for k in ids if res.get(k) == o) for o in ("passed", "failed", "skipped")]
+            tot[t] = [a + b for a, b in zip(tot[t], c)]
+            row.append("/".join(map(str, c)))
+        if have_stock:
+            fb = [k for k in ids if k in base]
+            row.append(str(len(fb)))
+            for t in targets:
+                if t == "stock":
+                    continue
+                n = sum(1 for k in fb if runs[t]["results"].get(k) == "passed")
+                tot_base[t] += n
+                row.append(f"{n}/{len(fb)}")
+        lines.append("| " + " | ".join(row) + " |")
+    row = ["**all run**", str(n_all)] + ["/".join(map(str, tot[t])) for t in targets]
+    if have_stock:
+        row += [str(len(base))] + [f"**{tot_base[t]}/{len(base)}**" for t in targets if t != "stock"]
+    lines.append("| " + " | ".join(row) + " |")
+    lines.append("")
+    lines.append("p/f/s: passed / failed (errors included) / skipped. Not run (upstream_suite/known.toml):")
+    lines.append("")
+    for f, why in excluded.items():
+        lines.append(f"* `{f}`: {why}")
+    return "\n".join(lines) + "\n"
+
+
+def git_commit() -> str:
+    try:
+        c = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True,
+                           check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True).stdout.strip()
+        return c + (" (with uncommitted changes)" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def machine() -> str:
+    cpu = platform.processor()
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{platform.node()}: {cpu}, {os.cpu_count()} cores, {platform.system()} {platform.release()}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--targets", default=",".join(TARGETS), help="comma-separated: stock,fork,serve (default all)")
+    p.add_argument("--files", nargs="*", help="test files of unit/ to run (default: all but known.toml's excluded)")
+    p.add_argument("--out", type=Path, required=True, help="folder for the junit XML, logs, summary and table")
+    p.add_argument("--work", type=Path, default=Path("/tmp/ep-upstream-suite"),
+                   help="scratch folder: the test copies, the synthetic model and pack (default %(default)s)")
+    p.add_argument("--venv", type=Path, default=Path("/tmp/upv"), help="venv for the suite (default %(default)s)")
+    p.add_argument("--stock-bin", type=Path, default=STOCK_BIN, help="stock llama-server (default %(default)s)")
+    p.add_argument("--build-stock", action="store_true", help="build the default --stock-bin when it is missing")
+    p.add_argument("--cache-slots", type=int, default=8,
+                   help="experts per layer the fork's and serve's cache holds (of 16; default %(default)s: it evicts)")
+    p.add_argument("--timeout", type=int, default=300, help="per-test timeout of pytest-timeout, s (a hang guard)")
+    a = p.parse_args(argv)
+    targets = [t for t in a.targets.split(",") if t]
+    if bad := [t for t in targets if t not in TARGETS]:
+        p.error(f"unknown target(s) {bad}; choose from {TARGETS}")
+
+    def log(msg: str) -> None:
+        print(f"[upstream-suite {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+    known = load_known()
+    files, excluded = suite_files(known)
+    if a.files:
+        unknown = [f for f in a.files if not (TESTS / "unit" / f).exists()]
+        if unknown:
+            p.error(f"not in the suite: {unknown}")
+        files = [f for f in files if f in a.files] + [f for f in a.files if f not in files]
+    a.out.mkdir(parents=True, exist_ok=True)
+    a.work.mkdir(parents=True, exist_ok=True)
+    started = datetime.datetime.now().astimezone()
+
+    py = ensure_venv(a.venv, log)
+    model, pack = ensure_model(a.work, log)
+    from expert_pack_devtools.lossless import cache_mib_for_slots
+    from ggml_expert_pack.tools import tool_path
+    cache_mib = cache_mib_for_slots(pack, a.cache_slots)
+    bins = {}
+    if "stock" in targets:
+        bins["stock"] = ensure_stock(a.stock_bin, a.build_stock, log)
+    if "fork" in targets:
+        bins["fork"] = write_wrapper(a.work / "llama-server-fork", "fork", tool_path("llama-server"), model, pack,
+                                     cache_mib)
+    if "serve" in targets:
+        ep = Path(sys.executable).parent / "expert-pack"
+        if not ep.exists():
+            raise SystemExit(f"no expert-pack command beside {sys.executable}")
+        bins["serve"] = write_wrapper(a.work / "llama-server-serve", "serve", ep, model, pack, cache_mib)
+
+    runs = {t: run_target(t, bins[t], files, py, model, a.work, a.out, a.timeout, log) for t in targets}
+    s = summarize(runs, files, excluded, known)
+    s["run"] = {
+        "commit": git_commit(), "date": started.isoformat(timespec="seconds"), "machine": machine(),
+        "command": shlex.join([Path(sys.executable).name, *sys.argv]) if argv is None else shlex.join(argv),
+        "model": f"{model.name}: {MODEL_DESCRIPTION}",
+        "cache": f"{a.cache_slots} of 16 experts per layer ({cache_mib:.3f} MiB)", "timeout_s": a.timeout,
+        "targets": {t: {"bin": r["bin"], "rc": r["rc"], "wall_s": r["wall_s"]} for t, r in runs.items()},
+        "suite_packages": subprocess.run([str(py), "-m", "pip", "freeze"], capture_output=True,
+                                         text=True).stdout.split(),
+    }
+    s["results"] = {t: r["results"] for t, r in runs.items()}
+    (a.out / "summary.json").write_text(json.dumps(s, indent=1) + "\n")
+    tab = table(runs, files, excluded, s)
+    (a.out / "table.md").write_text(tab)
+    print(tab)
+    for t, v in s["per_target"].items():
+        if t != "stock" and "stock" in runs:
+            print(f"{t}: {v['baseline_passed']}/{len(s['baseline'])} of stock's passes; not passing: "
+                  f"{len(v['baseline_not_passed'])}")
+    if s["unexplained_on_stock"]:
+        print(f"stock failures known.toml does not explain ({len(s['unexplained_on_stock'])}):")
+        for t in s["unexplained_on_stock"]:
+            print(f"  {t}")
+    fork = s["per_target"].get("fork")
+    return 1 if fork and "stock" in runs and fork["baseline_not_passed"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,88 @@
+"""The executable llama.cpp's server test suite starts as `llama-server` (LLAMA_SERVER_BIN_PATH) for the fork's two
+servers; scripts/upstream_server_suite.py writes a one-line wrapper that runs this file with the paths baked in.
+
+--mode fork: the fork's llama-server with the pack. `--model MODEL` (the synthetic model the suite's servers all get,
+ep_upstream_plugin.py) becomes `--model PACK/trunk.gguf --expert-pack PACK` plus an expert cache of --cache-mib (small
+enough to evict); every other flag passes through. Without `--model MODEL` (a router server) nothing is added.
+
+--mode serve: `expert-pack serve PACK` with the same cache, and llama-server's flags as they are, except the few below
+that serve has no counterpart for and whose absence does not change what a request can observe beyond what the tests
+check themselves (each test's own assertions then say whether serve behaves as llama-server does). Any other flag
+serve does not implement passes through, and serve refuses it by name: that test fails at server start.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+
+# flag -> why serve drops it
+SERVE_DROPPED = {
+    "--offline": "serve never downloads",
+    "--cont-batching": "serve runs one generation at a time; later requests wait in arrival order",
+    "--jinja": "serve always renders the model's chat template with Jinja2",
+    "--no-jinja": "serve always renders the model's chat template with Jinja2",
+}
+# flag with a value -> why serve drops it
+SERVE_DROPPED_WITH_VALUE = {
+    "--parallel": "serve has one slot; requests beyond it wait (a test that counts slots fails on its own assertion)",
+}
+
+
+def fork_argv(args: list[str], bin_path: str, model: str, pack: str, cache_mib: str) -> list[str]:
+    out, ours = [], False
+    i = 0
+    while i < len(args):
+        a = args[i]
+        if a in ("--model", "-m") and i + 1 < len(args) and os.path.realpath(args[i + 1]) == os.path.realpath(model):
+            out += [a, os.path.join(pack, "trunk.gguf")]
+            ours = True
+            i += 2
+            continue
+        out.append(a)
+        i += 1
+    if ours:
+        out += ["--expert-pack", pack, "--expert-cache-mib", cache_mib, "--expert-cache-reserve-mib", "0"]
+    return [bin_path, *out]
+
+
+def serve_argv(args: list[str], bin_path: str, model: str, pack: str, cache_mib: str) -> list[str]:
+    out, positional = [], []
+    i = 0
+    while i < len(args):
+        a = args[i]
+        if a in SERVE_DROPPED:
+            i += 1
+        elif a in SERVE_DROPPED_WITH_VALUE:
+            i += 2
+        elif a in ("--model", "-m") and i + 1 < len(args):
+            if os.path.realpath(args[i + 1]) == os.path.realpath(model):
+                positional = [pack, "--cache-mib", cache_mib, "--cache-reserve-mib", "0"]
+            else:
+                out += [a, args[i + 1]]
+            i += 2
+        else:
+            out.append(a)
+            i += 1
+    return [bin_path, "serve", *positional, *out]
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    split = argv.index("--")
+    p = argparse.ArgumentParser()
+    p.add_argument("--mode", choices=["fork", "serve"], required=True)
+    p.add_argument("--bin", required=True)
+    p.add_argument("--model", required=True)
+    p.add_argument("--pack", required=True)
+    p.add_argument("--cache-mib", required=True)
+    ns = p.parse_args(argv[:split])
+    make = fork_argv if ns.mode == "fork" else serve_argv
+    cmd = make(argv[split + 1:], ns.bin, ns.model, ns.pack, ns.cache_mib)
+    print(f"shim ({ns.mode}): {shlex.join(cmd)}", file=sys.stderr, flush=True)
+    os.execv(cmd[0], cmd)
+
+
+if __name__ == "__main__":
+    main()
