@@ -631,7 +631,7 @@ def create_app(engine: Engine, *, model_path: str = "", stats=None, names: tuple
 
         def final(i, prompt, r, content):
             st = _stop_type(r)
-            return {"index": i, "content": content, "tokens": [], "id_slot": 0, "stop": True, "model": engine.alias,
+            return {"index": i, "content": content, "tokens": [], "id_slot": r.slot, "stop": True, "model": engine.alias,
                     "tokens_predicted": r.timings.predicted_n, "tokens_evaluated": len(prompt),
                     "generation_settings": settings, "prompt": engine.llm.detokenize(prompt).decode("utf-8", "replace"),
                     "has_new_line": "\n" in r.text, "truncated": False, "stop_type": st,
@@ -651,7 +651,7 @@ def create_app(engine: Engine, *, model_path: str = "", stats=None, names: tuple
         def events():
             for i, prompt, r, pieces in runs:
                 for piece in pieces:
-                    yield {"index": i, "content": piece, "tokens": [], "stop": False, "id_slot": 0,
+                    yield {"index": i, "content": piece, "tokens": [], "stop": False, "id_slot": r.slot,
                            "tokens_predicted": r.timings.predicted_n, "tokens_evaluated": len(prompt)}
                 yield final(i, prompt, r, "")
         return sse(events())
@@ -688,18 +688,24 @@ def create_app(engine: Engine, *, model_path: str = "", stats=None, names: tuple
     def get_slots():
         if not slots:
             raise LlamaError("This server does not support slots endpoint. Start it with `--slots`")
-        if request.args.get("fail_on_no_slot") and engine.busy:
+        lasts = getattr(engine, "slot_last", None) or [engine.last]
+        free = [r is None or r.done for r in lasts]
+        if request.args.get("fail_on_no_slot") and not any(free):
             raise LlamaError("no slot available", 503, "unavailable_error")
-        slot = {"id": 0, "n_ctx": engine.n_ctx, "speculative": False, "is_processing": engine.busy}
-        r = engine.last
-        if r is not None:
-            n = r.timings.predicted_n
-            slot.update({"id_task": engine.n_tasks - 1, "n_prompt_tokens": r.n_prompt,
-                         "n_prompt_tokens_processed": r.timings.prompt_n, "n_prompt_tokens_cache": r.timings.cache_n,
-                         "params": {k: v for k, v in r.params.items()},
-                         "next_token": [{"has_next_token": not r.done, "has_new_line": "\n" in r.text,
-                                         "n_remain": max(0, r.max_tokens - n), "n_decoded": n}]})
-        return Response(json.dumps([slot]), mimetype="application/json")
+        out = []
+        for i, r in enumerate(lasts):
+            slot = {"id": i, "n_ctx": engine.n_ctx, "speculative": False,
+                    "is_processing": not free[i] if len(lasts) > 1 else engine.busy}
+            if r is not None:
+                n = r.timings.predicted_n
+                slot.update({"id_task": engine.n_tasks - 1, "n_prompt_tokens": r.n_prompt,
+                             "n_prompt_tokens_processed": r.timings.prompt_n,
+                             "n_prompt_tokens_cache": r.timings.cache_n,
+                             "params": {k: v for k, v in r.params.items()},
+                             "next_token": [{"has_next_token": not r.done, "has_new_line": "\n" in r.text,
+                                             "n_remain": max(0, r.max_tokens - n), "n_decoded": n}]})
+            out.append(slot)
+        return Response(json.dumps(out), mimetype="application/json")
 
     # --- embeddings ------------------------------------------------------------------------------------------
     def embeddings(oai: bool):
@@ -766,7 +772,7 @@ def create_app(engine: Engine, *, model_path: str = "", stats=None, names: tuple
     @app.get("/props")
     def props():
         return {"default_generation_settings": {"n_ctx": engine.n_ctx, "model": engine.alias, "params": d},
-                "total_slots": 1, "is_sleeping": False, "model_path": model_path, "model_alias": engine.alias,
+                "total_slots": engine.n_parallel, "is_sleeping": False, "model_path": model_path, "model_alias": engine.alias,
                 "chat_template": engine.llm.metadata.get("tokenizer.chat_template", ""),
                 "expert_pack": stats is not None and stats() is not None}
 
@@ -842,7 +848,7 @@ def metrics_text(engine: Engine, pack: dict | None) -> str:
          t.prompt_tokens / t.prompt_seconds if t.prompt_seconds else 0.0),
         ("llamacpp:predicted_tokens_seconds", "gauge", "Average generation throughput in tokens/s.",
          t.predicted_tokens / t.predicted_seconds if t.predicted_seconds else 0.0),
-        ("llamacpp:requests_processing", "gauge", "Number of requests processing.", int(engine.busy)),
+        ("llamacpp:requests_processing", "gauge", "Number of requests processing.", getattr(engine, "n_processing", int(engine.busy))),
         ("llamacpp:requests_deferred", "gauge", "Number of requests deferred.", engine.lane.waiting),
         ("llamacpp:n_requests_total", "counter", "Completed or cancelled generations.", t.requests),
         ("llamacpp:n_requests_cancelled_total", "counter", "Generations stopped by a disconnect.", t.cancelled),

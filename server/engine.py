@@ -93,6 +93,7 @@ class Result:
     max_tokens: int = 0
     params: dict = field(default_factory=dict)
     done: bool = False
+    slot: int = 0         # the slot that runs it (serve --parallel)
 
 
 @dataclass
@@ -127,6 +128,7 @@ class Engine:
         self._piece = piece_reader(llm)
         self.n_tasks = 0              # generations started (/slots' id_task)
         self.last: Result | None = None  # the running or last generation (/slots)
+        self.n_parallel = 1
         # the context was made with embeddings on (serve --embedding): they are switched on for an embedding
         # request only, so that generations get their logits (as llama-server switches them per batch)
         self.embedding = bool(llm.context_params.embeddings)

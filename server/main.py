@@ -211,6 +211,12 @@ def add_serve(sub) -> None:
                         "nearly every expert, so a prompt in fewer ubatches reads the pack fewer times)")
     p.add_argument("-t", "--threads", type=_int_range(1), default=None, metavar="N",
                    help="CPU threads for generation (default: auto)")
+    p.add_argument("-np", "--parallel", type=_int_range(1, 256), default=1, metavar="N",
+                   help="slots: up to N requests generate together, one token each per batch, each slot with -c/N of "
+                        "the context (default 1: one at a time, in arrival order). With an expert pack, a batch "
+                        "needs the union of its sequences' experts: with a small cache that union thrashes it, so "
+                        "N sequences can decode slower in total than one; the larger the share of the experts "
+                        "cached, the more N > 1 adds throughput. --embedding needs --parallel 1")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=_int_range(1, 65535), default=8080, help="port to listen on, 1..65535 (default 8080)")
     p.add_argument("--alias", metavar="NAME", help="model name reported by /v1/models and accepted in requests "
@@ -342,6 +348,8 @@ def check_stats_file(text: str) -> None:
 def check_embedding_flags(args) -> None:
     if args.pooling is not None and not args.embedding:
         raise ValueError(f"--pooling {args.pooling} needs --embedding")
+    if args.embedding and getattr(args, "parallel", 1) > 1:
+        raise ValueError("--embedding with --parallel > 1 is not supported: serve embeddings with --parallel 1")
 
 
 def pack_config(args) -> dict | None:
@@ -440,7 +448,11 @@ def load(args, plan: Plan | None = None):
                                   "cls": llama_cpp.LLAMA_POOLING_TYPE_CLS,
                                   "last": llama_cpp.LLAMA_POOLING_TYPE_LAST}[args.pooling]
     try:
-        return Llama(**kw)
+        llm = Llama(**kw)
+        if getattr(args, "parallel", 1) > 1:
+            from .batch_engine import with_sequences
+            with_sequences(llm, args.parallel)
+        return llm
     except (ValueError, RuntimeError) as e:
         msg = flag_terms(str(e))
         if "Failed to create llama_context" in msg:
@@ -465,7 +477,12 @@ def make_app(llm, model_path: str, alias: str | None = None, names: tuple[str, .
              start_time: int | None = None):
     from .api import create_app
     from .engine import Engine
-    engine = Engine(llm, alias or Path(model_path).name)
+    n_parallel = getattr(args, "parallel", 1) if args is not None else 1
+    if n_parallel > 1:
+        from .batch_engine import BatchEngine
+        engine = BatchEngine(llm, alias or Path(model_path).name, n_parallel)
+    else:
+        engine = Engine(llm, alias or Path(model_path).name)
     stats = (lambda: llm.expert_pack_stats()) if getattr(llm, "_expert_pack", None) is not None else None
     extra = {} if args is None else dict(defaults=request_defaults(args), api_keys=api_keys(args), webui=args.webui,
                                          slots=args.slots)

@@ -56,8 +56,9 @@ class Sampler:
             raise ValueError("llama.cpp refused a sampler of this request")  # the grammar is checked before this
         self._lib.llama_sampler_chain_add(self.chain, smpl)  # the chain owns it from here
 
-    def sample(self, ctx) -> int:
-        return self._lib.llama_sampler_sample(self.chain, ctx, -1)
+    def sample(self, ctx, idx: int = -1) -> int:
+        """The token drawn from the logits of batch row `idx` (-1: the last row with logits)."""
+        return self._lib.llama_sampler_sample(self.chain, ctx, idx)
 
     def close(self) -> None:
         if self.chain:

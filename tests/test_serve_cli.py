@@ -90,7 +90,7 @@ def test_llama_server_request_defaults_and_their_spellings(monkeypatch):
     assert api_keys(build_parser().parse_args(["serve", "-m", "m.gguf", "--api-key", "flag"])) == ("flag",)
 
 
-@pytest.mark.parametrize("flag", ["--parallel", "-fa", "--cont-batching", "--ctx-checkpoints=3", "--jinja"])
+@pytest.mark.parametrize("flag", ["--cache-reuse", "-fa", "--cont-batching", "--ctx-checkpoints=3", "--jinja"])
 def test_llama_server_flag_serve_lacks_is_named(capsys, flag):
     from ggml_expert_pack.server.main import llama_server_flags
     from ggml_expert_pack.tools import tool_path
@@ -108,8 +108,8 @@ def test_llama_server_flag_serve_lacks_is_named(capsys, flag):
 def test_without_llama_server_an_unknown_flag_is_argparses(capsys, monkeypatch):
     from ggml_expert_pack.server import main as serve_main
     monkeypatch.setattr(serve_main, "llama_server_flags", lambda: frozenset())
-    err = refused(capsys, ["-m", "x.gguf", "--parallel", "2"])
-    assert "unrecognized argument --parallel" in err, err
+    err = refused(capsys, ["-m", "x.gguf", "--cache-reuse", "2"])
+    assert "unrecognized argument --cache-reuse" in err, err
 
 
 def test_unknown_flag_without_a_near_one(capsys):
