@@ -223,6 +223,8 @@ def test_llama_server_refuses_a_bad_pack(packs, tmp_path):
         (["-m", str(src), "--expert-pack", str(pack), "--expert-direct-io", "maybe"], "expert-direct-io"),
         (["-m", str(src), "--expert-pack", str(pack), "--expert-prefetch", "on"], "needs the host-RAM tier"),
         (["-m", str(src), "--expert-pack", str(pack), "--expert-ram-tier-mode", "lru"], "expert-ram-tier-mode"),
+        (["-m", str(pack / "trunk.gguf"), "--expert-pack", str(pack), "--split-mode", "row"],
+         "expert pack: --split-mode row is not supported with an expert pack; use --split-mode layer"),
     ]:
         r = subprocess.run([str(SERVER), "--port", str(free_port()), "-c", str(N_CTX), *args],
                            capture_output=True, text=True, timeout=120)
@@ -242,6 +244,13 @@ def test_llama_bench_with_pack(packs, tmp_path):
     rows = json.loads(r.stdout)
     assert {row["n_prompt"] for row in rows} == {16, 0} and all(row["avg_ts"] > 0 for row in rows)
     assert json.loads(stats.read_text())["cache_misses"] > 0
+    # the row split is refused with a pack, in one line, before any test runs
+    r = subprocess.run([str(tool_path("llama-bench")), "-m", str(pack / "trunk.gguf"), "--expert-pack", str(pack),
+                        "-sm", "layer,row", "-p", "16", "-n", "4", "-r", "1", "-t", "2", "-o", "json"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0 and not r.stdout.strip().strip("[]")
+    assert r.stderr.strip().splitlines()[-1] == ("llama_bench: error: expert pack: --split-mode row is not "
+                                                 "supported with an expert pack; use --split-mode layer")
 
 
 def _cli_reply(model, *extra) -> str:
