@@ -16,6 +16,7 @@ CONFIG_KEYS = ("pack_path", "manifest_path", "cache_vram_mib", "cache_vram_reser
 # the command-line spellings (expert-pack serve's flags, without dashes) of keys whose names differ
 FLAG_NAMES = {"cache_mib": "cache_vram_mib", "cache_reserve_mib": "cache_vram_reserve_mib", "stats_file": "stats_path",
               "expert_pack": "pack_dir", "pack": "pack_dir", "ram_mib": "ram_cache_mib", "verify": "verify_pack_sha256"}
+LLAMA_SPLIT_MODE_ROW = 2  # llama.h's enum llama_split_mode (llama_cpp.LLAMA_SPLIT_MODE_ROW)
 STATS_FIELDS = ("cache_hits", "cache_misses", "cache_evictions", "pack_read_bytes", "h2d_bytes", "fallback_count",
                 "io_errors", "steps", "ram_hits", "ram_misses", "ram_evictions", "ram_spills", "ram_blocks",
                 "ram_bytes",
@@ -100,7 +101,11 @@ class Provider:
 
     def use_in(self, model_params) -> None:
         """Make this provider the expert source of a llama_model_params (ctypes): the table of
-        expert_pack_llama_source() as expert_source, the provider as expert_source_ctx."""
+        expert_pack_llama_source() as expert_source, the provider as expert_source_ctx. The row split is refused
+        (ValueError): the caches hold whole experts on the device of each layer."""
+        if getattr(model_params, "split_mode", None) == LLAMA_SPLIT_MODE_ROW:
+            raise ValueError("expert pack: split_mode LLAMA_SPLIT_MODE_ROW is not supported with an expert pack; "
+                             "use LLAMA_SPLIT_MODE_LAYER")
         model_params.expert_source = int(ffi().cast("uintptr_t", lib().expert_pack_llama_source()))
         model_params.expert_source_ctx = self.handle
 

@@ -1,7 +1,7 @@
 """Per-device expert caches: every device that runs MoE layers (llama.cpp's layer split) has its own cache, sized from
 its own memory, with its own counters in the stats (`devices`) and on serve's /metrics (label `device`). On the CPU
 one device; on a GPU machine a split between the GPU and the CPU backend exercises the same per-device code as two
-GPUs do (lossless against stock with the same split)."""
+GPUs do (lossless against stock with the same split). llama.cpp's row split is refused with a pack."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -52,6 +52,68 @@ def test_metrics_label_each_device():
     assert 'expert_pack_device_slots_per_layer{device="CUDA0"} 18' in lines
     # one HELP and TYPE per family, before its samples
     assert sum(line == "# TYPE expert_pack_device_cache_hits_total counter" for line in lines) == 1
+
+
+ROW_REFUSED = ("expert pack: split_mode LLAMA_SPLIT_MODE_ROW is not supported with an expert pack; "
+               "use LLAMA_SPLIT_MODE_LAYER")
+
+
+def test_row_split_is_refused_by_the_python_api(packs):
+    """The caches hold whole experts on the device of each layer: the row split is refused before loading, in one
+    line (on a CPU-only build llama.cpp itself loads with it, the split having no GPU to act on)."""
+    import llama_cpp
+    from llama_cpp import Llama
+    src, pack = packs("qwen3moe")
+    for model in (pack / "trunk.gguf", src):
+        with pytest.raises(ValueError) as e:
+            Llama(model_path=str(model), expert_pack=str(pack), split_mode=llama_cpp.LLAMA_SPLIT_MODE_ROW, n_ctx=128,
+                  verbose=False)
+        assert str(e.value) == ROW_REFUSED
+    p = Provider.open(pack)
+    try:
+        mp = llama_cpp.llama_model_default_params()
+        mp.split_mode = llama_cpp.LLAMA_SPLIT_MODE_ROW
+        with pytest.raises(ValueError, match="LLAMA_SPLIT_MODE_ROW is not supported"):
+            p.use_in(mp)
+        mp.split_mode = llama_cpp.LLAMA_SPLIT_MODE_LAYER
+        p.use_in(mp)  # the layer split (the default) is the pack's
+        assert mp.expert_source_ctx == p.handle
+    finally:
+        p.close()
+
+
+def test_row_split_is_refused_by_the_loader(packs):
+    """libllama's loader refuses the row split with an expert source too (the fork's tools, or a caller that sets
+    split_mode after Provider.use_in), in one line of its log; without a source the CPU build loads with it."""
+    import subprocess
+    import textwrap
+
+    from expert_pack_devtools.proc import python_c
+    src, pack = packs("qwen3moe")
+    code = textwrap.dedent(f"""
+        import llama_cpp as lc
+        from ggml_expert_pack.pybind.provider import Provider
+        lc.llama_backend_init()
+        for model, with_pack in (({str(pack / "trunk.gguf")!r}, True), ({str(src)!r}, False)):
+            p = Provider.open({str(pack)!r}) if with_pack else None
+            mp = lc.llama_model_default_params()
+            if p is not None:
+                p.use_in(mp)
+            mp.split_mode = lc.LLAMA_SPLIT_MODE_ROW
+            m = lc.llama_model_load_from_file(model.encode(), mp)
+            print("loaded" if m else "refused", flush=True)
+            if m:
+                lc.llama_model_free(m)
+            if p is not None:
+                p.close()
+    """)
+    r = subprocess.run(python_c(code), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.split() == ["refused", "loaded"]
+    lines = [ln for ln in r.stderr.splitlines() if "split-mode row" in ln]
+    assert len(lines) == 1, r.stderr[-3000:]
+    assert lines[0].endswith("expert pack: --split-mode row is not supported with an expert pack; "
+                             "use --split-mode layer")
 
 
 @pytest.mark.gpu
