@@ -121,27 +121,42 @@ def make_vocab(dest: Path) -> Path:
 
 
 MODEL_DESCRIPTION = ("qwen3moe, shape tiny (4 layers x 16 experts, top-4, hidden 256), random weights (seed 42), "
-                     "llama SentencePiece vocab (32,000 tokens) with a ChatML template")
+                     "llama SentencePiece vocab (32,000 tokens) with a ChatML template; the embedding presets' "
+                     "model is the same with qwen3moe.pooling_type = mean")
 
 
-def ensure_model(work: Path, log) -> tuple[Path, Path]:
-    """The synthetic model and its pack, made once into work/models."""
-    from expert_pack_devtools.synth import SHAPES, SynthConfig, generate
+def ensure_models(work: Path, log) -> dict[str, tuple[Path, Path]]:
+    """{"generation": (model, pack), "embedding": (model, pack)}, made once into work/models. The embedding model is
+    the generation model with mean pooling in its metadata (the suite's embedding model, bert-bge-small, pools; a
+    causal model without the key does not, and llama-server's OpenAI embeddings refuse that)."""
+    from expert_pack_devtools.synth import SHAPES, SynthConfig, archs, generate
+    from ggml_expert_pack.gguf_stream import kv_u32
     from ggml_expert_pack.packer import build
     d = work / "models"
     d.mkdir(parents=True, exist_ok=True)
-    model, pack = d / "tiny-qwen3moe-spm.gguf", d / "tiny-qwen3moe-spm.pack"
-    if not model.exists():
-        log(f"model: {model}")
-        vocab = make_vocab(d / "vocab-llama-spm-chatml.gguf")
-        cfg = SynthConfig.from_dict({"arch": "qwen3moe", **SHAPES["tiny"], "name": "tiny-qwen3moe-spm", "seed": 42,
-                                     "vocab": str(vocab)})
-        generate(cfg, model, progress=False)
-    if not (pack / "manifest.json").exists():
-        log(f"pack: {pack}")
-        shutil.rmtree(pack, ignore_errors=True)
-        build(model, pack)
-    return model, pack
+    vocab = d / "vocab-llama-spm-chatml.gguf"
+    out = {}
+    for kind, name in (("generation", "tiny-qwen3moe-spm"), ("embedding", "tiny-qwen3moe-spm-mean")):
+        model, pack = d / f"{name}.gguf", d / f"{name}.pack"
+        if not model.exists():
+            log(f"model: {model}")
+            if not vocab.exists():
+                make_vocab(vocab)
+            cfg = SynthConfig.from_dict({"arch": "qwen3moe", **SHAPES["tiny"], "name": name, "seed": 42,
+                                         "vocab": str(vocab)})
+            kvs = archs.ARCH_KVS["qwen3moe"]
+            if kind == "embedding":  # LLM_KV_POOLING_TYPE, read for every arch; 1 = LLAMA_POOLING_TYPE_MEAN
+                archs.ARCH_KVS["qwen3moe"] = lambda c: kvs(c) + [kv_u32("qwen3moe.pooling_type", 1)]
+            try:
+                generate(cfg, model, progress=False)
+            finally:
+                archs.ARCH_KVS["qwen3moe"] = kvs
+        if not (pack / "manifest.json").exists():
+            log(f"pack: {pack}")
+            shutil.rmtree(pack, ignore_errors=True)
+            build(model, pack)
+        out[kind] = (model, pack)
+    return out
 
 
 def ensure_stock(path: Path, build_if_missing: bool, log) -> Path:
@@ -170,10 +185,11 @@ def copy_tests(dest: Path) -> Path:
     return tests
 
 
-def write_wrapper(path: Path, mode: str, bin_path: Path, model: Path, pack: Path, cache_mib: float) -> Path:
-    shim_py = sys.executable
-    args = [shim_py, str(HERE / "shim.py"), "--mode", mode, "--bin", str(bin_path), "--model", str(model),
-            "--pack", str(pack), "--cache-mib", f"{cache_mib:.3f}", "--"]
+def write_wrapper(path: Path, mode: str, bin_path: Path, models: dict[str, tuple[Path, Path]],
+                  cache_mib: float) -> Path:
+    maps = [a for m, p in models.values() for a in ("--map", f"{m}={p}")]
+    args = [sys.executable, str(HERE / "shim.py"), "--mode", mode, "--bin", str(bin_path), *maps,
+            "--cache-mib", f"{cache_mib:.3f}", "--"]
     path.write_text(f"#!/bin/sh\nexec {shlex.join(args)} \"$@\"\n")
     path.chmod(0o755)
     return path
@@ -186,13 +202,14 @@ def free_port() -> int:
 
 
 # ---- run and read ------------------------------------------------------------------------------------------------
-def run_target(target: str, server_bin: Path, files: list[str], py: Path, model: Path, work: Path, out: Path,
-               timeout_s: int, log) -> dict:
+def run_target(target: str, server_bin: Path, files: list[str], py: Path, models: dict, work: Path, out: Path,
+               timeout_s: int, threads: int, log) -> dict:
     tests = copy_tests(work / target)
     junit = out / f"junit-{target}.xml"
-    env = {**os.environ, "LLAMA_SERVER_BIN_PATH": str(server_bin), "EP_UPSTREAM_MODEL": str(model),
+    env = {**os.environ, "LLAMA_SERVER_BIN_PATH": str(server_bin), "EP_UPSTREAM_MODEL": str(models["generation"][0]),
+           "EP_UPSTREAM_EMBEDDING_MODEL": str(models["embedding"][0]),
            "PYTHONPATH": str(HERE), "PORT": str(free_port()), "LLAMA_CACHE": str(work / "llama-cache"),
-           "PYTHONDONTWRITEBYTECODE": "1"}
+           "PYTHONDONTWRITEBYTECODE": "1", "LLAMA_ARG_THREADS": str(threads)}
     for k in ("SLOW_TESTS", "DEBUG", "DEBUG_EXTERNAL", "N_GPU_LAYERS", "LLAMA_ARG_HOST", "LLAMA_API_KEY"):
         env.pop(k, None)
     cmd = [str(py), "-m", "pytest", "-p", "ep_upstream_plugin", "-p", "no:cacheprovider", "-m", "not slow",
@@ -287,15 +304,17 @@ def table(runs: dict[str, dict], files: list[str], excluded: dict[str, str], s: 
     return "\n".join(lines) + "\n"
 
 
-def git_commit() -> str:
+def git_state() -> dict:
+    """The checkout's commit and its uncommitted tracked files (the dev venv's packages may link into the checkout,
+    so these are part of what ran)."""
     try:
         c = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True,
                            check=True).stdout.strip()
         dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True).stdout.strip()
-        return c + (" (with uncommitted changes)" if dirty else "")
+                               capture_output=True, text=True).stdout.splitlines()
+        return {"commit": c, "uncommitted": [ln[3:] for ln in dirty]}
     except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+        return {"commit": "unknown", "uncommitted": []}
 
 
 def machine() -> str:
@@ -323,6 +342,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--build-stock", action="store_true", help="build the default --stock-bin when it is missing")
     p.add_argument("--cache-slots", type=int, default=8,
                    help="experts per layer the fork's and serve's cache holds (of 16; default %(default)s: it evicts)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="CPU threads of every server (LLAMA_ARG_THREADS, which the shim gives serve as --threads) where "
+                        "a test sets none (default %(default)s: on a shared 2-core machine two threads spin-wait "
+                        "on each other and decode 50x slower)")
+    p.add_argument("--summarize-only", action="store_true",
+                   help="run nothing: redo summary.json and table.md from --out's run.json and junit XML (after an "
+                        "edit of known.toml)")
     p.add_argument("--timeout", type=int, default=300, help="per-test timeout of pytest-timeout, s (a hang guard)")
     a = p.parse_args(argv)
     targets = [t for t in a.targets.split(",") if t]
@@ -340,41 +366,54 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"not in the suite: {unknown}")
         files = [f for f in files if f in a.files] + [f for f in a.files if f not in files]
     a.out.mkdir(parents=True, exist_ok=True)
+    if a.summarize_only:
+        run = json.loads((a.out / "run.json").read_text())
+        runs = {t: {**v, "results": read_junit(a.out / f"junit-{t}.xml")} for t, v in run["targets"].items()}
+        return report(run, runs, run["files"], excluded, known, a.out)
     a.work.mkdir(parents=True, exist_ok=True)
     started = datetime.datetime.now().astimezone()
+    state = git_state()
 
     py = ensure_venv(a.venv, log)
-    model, pack = ensure_model(a.work, log)
+    models = ensure_models(a.work, log)
     from expert_pack_devtools.lossless import cache_mib_for_slots
     from ggml_expert_pack.tools import tool_path
-    cache_mib = cache_mib_for_slots(pack, a.cache_slots)
+    cache_mib = cache_mib_for_slots(models["generation"][1], a.cache_slots)  # the same experts in both
     bins = {}
     if "stock" in targets:
         bins["stock"] = ensure_stock(a.stock_bin, a.build_stock, log)
     if "fork" in targets:
-        bins["fork"] = write_wrapper(a.work / "llama-server-fork", "fork", tool_path("llama-server"), model, pack,
+        bins["fork"] = write_wrapper(a.work / "llama-server-fork", "fork", tool_path("llama-server"), models,
                                      cache_mib)
     if "serve" in targets:
         ep = Path(sys.executable).parent / "expert-pack"
         if not ep.exists():
             raise SystemExit(f"no expert-pack command beside {sys.executable}")
-        bins["serve"] = write_wrapper(a.work / "llama-server-serve", "serve", ep, model, pack, cache_mib)
+        bins["serve"] = write_wrapper(a.work / "llama-server-serve", "serve", ep, models, cache_mib)
 
-    runs = {t: run_target(t, bins[t], files, py, model, a.work, a.out, a.timeout, log) for t in targets}
-    s = summarize(runs, files, excluded, known)
-    s["run"] = {
-        "commit": git_commit(), "date": started.isoformat(timespec="seconds"), "machine": machine(),
+    runs = {t: run_target(t, bins[t], files, py, models, a.work, a.out, a.timeout, a.threads, log) for t in targets}
+    run = {
+        **state, "date": started.isoformat(timespec="seconds"), "machine": machine(),
         "command": shlex.join([Path(sys.executable).name, *sys.argv]) if argv is None else shlex.join(argv),
-        "model": f"{model.name}: {MODEL_DESCRIPTION}",
+        "models": {k: str(m) for k, (m, _) in models.items()}, "model": MODEL_DESCRIPTION,
         "cache": f"{a.cache_slots} of 16 experts per layer ({cache_mib:.3f} MiB)", "timeout_s": a.timeout,
+        "threads": a.threads, "files": files,
         "targets": {t: {"bin": r["bin"], "rc": r["rc"], "wall_s": r["wall_s"]} for t, r in runs.items()},
         "suite_packages": subprocess.run([str(py), "-m", "pip", "freeze"], capture_output=True,
                                          text=True).stdout.split(),
     }
+    (a.out / "run.json").write_text(json.dumps(run, indent=1) + "\n")
+    return report(run, runs, files, excluded, known, a.out)
+
+
+def report(run: dict, runs: dict, files: list[str], excluded: dict[str, str], known: dict, out: Path) -> int:
+    """summary.json and table.md from the runs' results; prints the table. 1 when the fork misses a stock pass."""
+    s = summarize(runs, files, excluded, known)
+    s["run"] = run
     s["results"] = {t: r["results"] for t, r in runs.items()}
-    (a.out / "summary.json").write_text(json.dumps(s, indent=1) + "\n")
+    (out / "summary.json").write_text(json.dumps(s, indent=1) + "\n")
     tab = table(runs, files, excluded, s)
-    (a.out / "table.md").write_text(tab)
+    (out / "table.md").write_text(tab)
     print(tab)
     for t, v in s["per_target"].items():
         if t != "stock" and "stock" in runs:

@@ -5,8 +5,9 @@ The vendored files stay as they are; this patches their helper module `utils` on
 that before any test):
 
 * ServerProcess.start: a server whose model comes from Hugging Face (--hf-repo/--hf-file) or a URL (--model-url),
-  or from a local file that does not exist, gets --model $EP_UPSTREAM_MODEL instead. Router servers (no model at
-  all) stay as they are. The model is a random-weight tiny qwen3moe with the qwen2 vocabulary and a ChatML template.
+  or from a local file that does not exist, gets --model $EP_UPSTREAM_MODEL instead, or $EP_UPSTREAM_EMBEDDING_MODEL
+  for the embedding presets (bert-bge-small: the same model with mean pooling in its metadata, as an embedding
+  model has). Router servers (no model at all) stay as they are.
 * ServerPreset.load_all: nothing to download, so it starts no servers.
 * download_file: refuses (the suite's LoRA adapters, draft models and images are out of scope, known.toml).
 """
@@ -17,6 +18,7 @@ import os
 
 def _patch(utils) -> None:
     model = os.environ["EP_UPSTREAM_MODEL"]
+    embedding_model = os.environ.get("EP_UPSTREAM_EMBEDDING_MODEL", model)
     if getattr(utils.ServerProcess, "_ep_patched", False):
         return
     start = utils.ServerProcess.start
@@ -25,10 +27,10 @@ def _patch(utils) -> None:
         remote = bool(self.model_hf_repo or self.model_hf_file or self.model_url)
         missing = bool(self.model_file) and not os.path.exists(self.model_file)
         if remote or missing:
-            print(f"ep_upstream_plugin: model {self.model_hf_repo or ''} {self.model_hf_file or ''} "
-                  f"{self.model_url or ''} {self.model_file or ''} -> {model}")
+            name = f"{self.model_hf_repo} {self.model_hf_file} {self.model_url} {self.model_file}"
             self.model_hf_repo = self.model_hf_file = self.model_url = None
-            self.model_file = model
+            self.model_file = embedding_model if "bert-bge-small" in name else model
+            print(f"ep_upstream_plugin: model {name} -> {self.model_file}")
         return start(self, *args, **kwargs)
 
     def no_download(url: str, output_file_path: str | None = None) -> str:

@@ -1,14 +1,16 @@
 """The executable llama.cpp's server test suite starts as `llama-server` (LLAMA_SERVER_BIN_PATH) for the fork's two
 servers; scripts/upstream_server_suite.py writes a one-line wrapper that runs this file with the paths baked in.
 
---mode fork: the fork's llama-server with the pack. `--model MODEL` (the synthetic model the suite's servers all get,
-ep_upstream_plugin.py) becomes `--model PACK/trunk.gguf --expert-pack PACK` plus an expert cache of --cache-mib (small
-enough to evict); every other flag passes through. Without `--model MODEL` (a router server) nothing is added.
+--mode fork: the fork's llama-server with the pack. `--model MODEL` (a synthetic model the suite's servers get,
+ep_upstream_plugin.py; --map MODEL=PACK names its pack) becomes `--model PACK/trunk.gguf --expert-pack PACK` plus an
+expert cache of --cache-mib (small enough to evict); every other flag passes through. Without a mapped `--model`
+(a router server) nothing is added.
 
 --mode serve: `expert-pack serve PACK` with the same cache, and llama-server's flags as they are, except the few below
 that serve has no counterpart for and whose absence does not change what a request can observe beyond what the tests
 check themselves (each test's own assertions then say whether serve behaves as llama-server does). Any other flag
 serve does not implement passes through, and serve refuses it by name: that test fails at server start.
+LLAMA_ARG_THREADS (which the runner sets for all three servers) becomes serve's --threads.
 """
 from __future__ import annotations
 
@@ -30,24 +32,30 @@ SERVE_DROPPED_WITH_VALUE = {
 }
 
 
-def fork_argv(args: list[str], bin_path: str, model: str, pack: str, cache_mib: str) -> list[str]:
-    out, ours = [], False
+def _pack_of(path: str, packs: dict[str, str]) -> str | None:
+    real = os.path.realpath(path)
+    return next((p for m, p in packs.items() if os.path.realpath(m) == real), None)
+
+
+def fork_argv(args: list[str], bin_path: str, packs: dict[str, str], cache_mib: str) -> list[str]:
+    """`packs`: model path -> its pack folder."""
+    out, pack = [], None
     i = 0
     while i < len(args):
         a = args[i]
-        if a in ("--model", "-m") and i + 1 < len(args) and os.path.realpath(args[i + 1]) == os.path.realpath(model):
+        if a in ("--model", "-m") and i + 1 < len(args) and _pack_of(args[i + 1], packs):
+            pack = _pack_of(args[i + 1], packs)
             out += [a, os.path.join(pack, "trunk.gguf")]
-            ours = True
             i += 2
             continue
         out.append(a)
         i += 1
-    if ours:
+    if pack:
         out += ["--expert-pack", pack, "--expert-cache-mib", cache_mib, "--expert-cache-reserve-mib", "0"]
     return [bin_path, *out]
 
 
-def serve_argv(args: list[str], bin_path: str, model: str, pack: str, cache_mib: str) -> list[str]:
+def serve_argv(args: list[str], bin_path: str, packs: dict[str, str], cache_mib: str) -> list[str]:
     out, positional = [], []
     i = 0
     while i < len(args):
@@ -57,7 +65,7 @@ def serve_argv(args: list[str], bin_path: str, model: str, pack: str, cache_mib:
         elif a in SERVE_DROPPED_WITH_VALUE:
             i += 2
         elif a in ("--model", "-m") and i + 1 < len(args):
-            if os.path.realpath(args[i + 1]) == os.path.realpath(model):
+            if pack := _pack_of(args[i + 1], packs):
                 positional = [pack, "--cache-mib", cache_mib, "--cache-reserve-mib", "0"]
             else:
                 out += [a, args[i + 1]]
@@ -65,6 +73,9 @@ def serve_argv(args: list[str], bin_path: str, model: str, pack: str, cache_mib:
         else:
             out.append(a)
             i += 1
+    # the runner sets the servers' threads with llama-server's environment variable; serve takes the flag
+    if os.environ.get("LLAMA_ARG_THREADS") and not {"-t", "--threads"} & set(out):
+        out += ["--threads", os.environ["LLAMA_ARG_THREADS"]]
     return [bin_path, "serve", *positional, *out]
 
 
@@ -74,12 +85,12 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--mode", choices=["fork", "serve"], required=True)
     p.add_argument("--bin", required=True)
-    p.add_argument("--model", required=True)
-    p.add_argument("--pack", required=True)
+    p.add_argument("--map", action="append", required=True, metavar="MODEL=PACK")
     p.add_argument("--cache-mib", required=True)
     ns = p.parse_args(argv[:split])
     make = fork_argv if ns.mode == "fork" else serve_argv
-    cmd = make(argv[split + 1:], ns.bin, ns.model, ns.pack, ns.cache_mib)
+    packs = dict(m.split("=", 1) for m in ns.map)
+    cmd = make(argv[split + 1:], ns.bin, packs, ns.cache_mib)
     print(f"shim ({ns.mode}): {shlex.join(cmd)}", file=sys.stderr, flush=True)
     os.execv(cmd[0], cmd)
 
