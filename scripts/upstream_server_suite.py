@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Run llama.cpp's own server test suite (the vendored tools/server/tests: pytest files in unit/, helper utils.py)
-against three servers on one local synthetic MoE model, and tabulate the outcome per test file:
+against three servers on a local synthetic MoE model, and tabulate the outcome per test file:
 
   stock  stock llama-server, built from the pristine vendored sdist (scripts/build_stock_server.sh)
   fork   the fork's llama-server --expert-pack PACK (an expert cache that evicts)
@@ -9,12 +9,14 @@ against three servers on one local synthetic MoE model, and tabulate the outcome
 Nothing is downloaded and the vendored files are not edited: the tests are copied into --work (they write tmp/
 beside themselves and read ../../../models/templates), and the pytest plugin upstream_suite/ep_upstream_plugin.py
 points every model the suite would fetch from Hugging Face at the synthetic model (a tiny random-weight qwen3moe with
-the qwen2 vocabulary, generated once into --work). For fork and serve, LLAMA_SERVER_BIN_PATH is a wrapper
+llama's SentencePiece vocabulary and a ChatML template, and for the embedding presets the same with mean pooling;
+generated and packed once into --work). For fork and serve, LLAMA_SERVER_BIN_PATH is a wrapper
 (upstream_suite/shim.py) that adds the pack, or translates the command line to `expert-pack serve`.
 
 upstream_suite/known.toml lists, once, the files not run (features out of scope: vision, LoRA, speculative decoding,
-router mode, ...) and the tests that cannot pass on a random-weight model (assertions on the generated text), with a
-reason each. The baseline is what passes on stock; fork and serve are counted against it.
+router mode, ...) and the tests that cannot pass on the synthetic model (assertions on the generated text or on token
+counts of the suite's own models, fetches from the internet, multimodal input), with a reason each. The baseline
+is what passes on stock; fork and serve are counted against it.
 
 The suite's requirements (its requirements.txt, plus pytest-timeout) go into a separate venv (--venv, created when
 missing with this interpreter's `-m venv`; never the venv this script runs in). Run it with the Python that has
@@ -23,18 +25,19 @@ ggml_expert_pack and expert_pack_devtools installed, from outside the checkout:
   cd /tmp && python /work/main/scripts/upstream_server_suite.py --out /tmp/ups-out
   cd /tmp && python /work/main/scripts/upstream_server_suite.py --targets fork --files test_basic.py test_tokenize.py
 
-Writes to --out: junit-TARGET.xml, pytest-TARGET.log, summary.json (every test's outcome per target, the baseline,
-what fails where, the run's commit, date, machine and command) and table.md. Exit status 0 when the fork passes every
+Every server gets one CPU thread (--threads) unless a test sets its own. Writes to --out: junit-TARGET.xml,
+pytest-TARGET.log, run.json (the run's commit and uncommitted files, date, machine, command, binaries, the suite's
+packages), summary.json (every test's outcome per target, the baseline, what fails where) and table.md. Exit status 0 when the fork passes every
 test that passes on stock, 1 otherwise.
 """
 from __future__ import annotations
 
 import argparse
 import datetime
-import fnmatch
 import json
 import os
 import platform
+import re
 import shlex
 import shutil
 import socket
@@ -76,12 +79,17 @@ def suite_files(known: dict) -> tuple[list[str], dict[str, str]]:
     return [f for f in ordered if f not in excluded], excluded
 
 
-def expected_failure(test_id: str, known: dict) -> str | None:
-    """The reason known.toml gives for `test_id` (FILE::NAME[PARAMS]) not passing on a random-weight model."""
+def expected_failure(test_id: str, known: dict) -> dict | None:
+    """known.toml's entry ({kind, reason}) for `test_id` (FILE::NAME[PARAMS]) not passing on the synthetic model."""
     for pattern, v in known.get("random_weights", {}).items():
-        if fnmatch.fnmatchcase(test_id, pattern):
-            return v["reason"]
+        if matches(pattern, test_id):
+            return v
     return None
+
+
+def matches(pattern: str, test_id: str) -> bool:
+    """known.toml's patterns: `*` matches any run of characters; everything else, brackets included, is literal."""
+    return re.fullmatch(".*".join(map(re.escape, pattern.split("*"))), test_id, flags=re.S) is not None
 
 
 # ---- setup -------------------------------------------------------------------------------------------------------
@@ -185,11 +193,23 @@ def copy_tests(dest: Path) -> Path:
     return tests
 
 
+def serve_keeps(ep: Path) -> list[str]:
+    """The flags the shim would drop for serve that this serve accepts (from its --help)."""
+    sys.path.insert(0, str(HERE))
+    try:
+        import shim
+    finally:
+        sys.path.remove(str(HERE))
+    text = subprocess.run([str(ep), "serve", "--help"], capture_output=True, text=True, check=True).stdout
+    known = set(re.findall(r"--[a-z][a-z0-9-]*", text))
+    return sorted(f for f in (*shim.SERVE_DROPPED, *shim.SERVE_DROPPED_WITH_VALUE) if f in known)
+
+
 def write_wrapper(path: Path, mode: str, bin_path: Path, models: dict[str, tuple[Path, Path]],
-                  cache_mib: float) -> Path:
+                  cache_mib: float, keep: list[str] = ()) -> Path:
     maps = [a for m, p in models.values() for a in ("--map", f"{m}={p}")]
     args = [sys.executable, str(HERE / "shim.py"), "--mode", mode, "--bin", str(bin_path), *maps,
-            "--cache-mib", f"{cache_mib:.3f}", "--"]
+            "--cache-mib", f"{cache_mib:.3f}", *[a for f in keep for a in ("--keep", f)], "--"]
     path.write_text(f"#!/bin/sh\nexec {shlex.join(args)} \"$@\"\n")
     path.chmod(0o755)
     return path
@@ -246,7 +266,10 @@ def summarize(runs: dict[str, dict], files: list[str], excluded: dict[str, str],
     for t, o in sorted(stock.items()):
         if o == "failed":
             why = expected_failure(t, known)
-            (s["explained_on_stock"] if why else s["unexplained_on_stock"])[t] = why or ""
+            if why:
+                s["explained_on_stock"][t] = f"{why['kind']}: {why['reason']}"
+            else:
+                s["unexplained_on_stock"][t] = ""
     for target, r in runs.items():
         res = r["results"]
         counts = {o: sum(1 for v in res.values() if v == o) for o in ("passed", "failed", "skipped")}
@@ -297,7 +320,19 @@ def table(runs: dict[str, dict], files: list[str], excluded: dict[str, str], s: 
         row += [str(len(base))] + [f"**{tot_base[t]}/{len(base)}**" for t in targets if t != "stock"]
     lines.append("| " + " | ".join(row) + " |")
     lines.append("")
-    lines.append("p/f/s: passed / failed (errors included) / skipped. Not run (upstream_suite/known.toml):")
+    lines.append("p/f/s: passed / failed (errors included) / skipped.")
+    if have_stock:
+        kinds: dict[str, int] = {}
+        for why in s["explained_on_stock"].values():
+            kinds[why.split(":", 1)[0]] = kinds.get(why.split(":", 1)[0], 0) + 1
+        n_fail = len(s["explained_on_stock"]) + len(s["unexplained_on_stock"])
+        lines.append(f"Stock fails {n_fail}: known.toml explains "
+                     + (", ".join(f"{n} {k}" for k, n in sorted(kinds.items(), key=lambda kv: -kv[1])) or "none")
+                     + (f"; {len(s['unexplained_on_stock'])} unexplained" if s["unexplained_on_stock"] else "")
+                     + " (text: asserts stories260K's words; tokens: its token counts; network, media, ui, model: "
+                       "see known.toml).")
+    lines.append("")
+    lines.append("Not run (upstream_suite/known.toml):")
     lines.append("")
     for f, why in excluded.items():
         lines.append(f"* `{f}`: {why}")
@@ -389,7 +424,9 @@ def main(argv: list[str] | None = None) -> int:
         ep = Path(sys.executable).parent / "expert-pack"
         if not ep.exists():
             raise SystemExit(f"no expert-pack command beside {sys.executable}")
-        bins["serve"] = write_wrapper(a.work / "llama-server-serve", "serve", ep, models, cache_mib)
+        keep = serve_keeps(ep)
+        log(f"serve: accepts {keep or 'none'} of the flags the shim drops otherwise")
+        bins["serve"] = write_wrapper(a.work / "llama-server-serve", "serve", ep, models, cache_mib, keep)
 
     runs = {t: run_target(t, bins[t], files, py, models, a.work, a.out, a.timeout, a.threads, log) for t in targets}
     run = {

@@ -8,7 +8,8 @@ expert cache of --cache-mib (small enough to evict); every other flag passes thr
 
 --mode serve: `expert-pack serve PACK` with the same cache, and llama-server's flags as they are, except the few below
 that serve has no counterpart for and whose absence does not change what a request can observe beyond what the tests
-check themselves (each test's own assertions then say whether serve behaves as llama-server does). Any other flag
+check themselves (each test's own assertions then say whether serve behaves as llama-server does). One of these that
+serve does accept (--keep FLAG: the runner reads serve's --help) passes through. Any other flag
 serve does not implement passes through, and serve refuses it by name: that test fails at server start.
 LLAMA_ARG_THREADS (which the runner sets for all three servers) becomes serve's --threads.
 """
@@ -28,7 +29,8 @@ SERVE_DROPPED = {
 }
 # flag with a value -> why serve drops it
 SERVE_DROPPED_WITH_VALUE = {
-    "--parallel": "serve has one slot; requests beyond it wait (a test that counts slots fails on its own assertion)",
+    "--parallel": "a serve without --parallel has one slot; requests beyond it wait (a test that counts slots fails "
+                  "on its own assertion)",
 }
 
 
@@ -55,14 +57,16 @@ def fork_argv(args: list[str], bin_path: str, packs: dict[str, str], cache_mib: 
     return [bin_path, *out]
 
 
-def serve_argv(args: list[str], bin_path: str, packs: dict[str, str], cache_mib: str) -> list[str]:
+def serve_argv(args: list[str], bin_path: str, packs: dict[str, str], cache_mib: str,
+               keep: frozenset[str] = frozenset()) -> list[str]:
+    """`keep`: flags of SERVE_DROPPED* that this serve accepts (they pass through)."""
     out, positional = [], []
     i = 0
     while i < len(args):
         a = args[i]
-        if a in SERVE_DROPPED:
+        if a in SERVE_DROPPED and a not in keep:
             i += 1
-        elif a in SERVE_DROPPED_WITH_VALUE:
+        elif a in SERVE_DROPPED_WITH_VALUE and a not in keep:
             i += 2
         elif a in ("--model", "-m") and i + 1 < len(args):
             if pack := _pack_of(args[i + 1], packs):
@@ -87,10 +91,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--bin", required=True)
     p.add_argument("--map", action="append", required=True, metavar="MODEL=PACK")
     p.add_argument("--cache-mib", required=True)
+    p.add_argument("--keep", action="append", default=[], metavar="FLAG")
     ns = p.parse_args(argv[:split])
-    make = fork_argv if ns.mode == "fork" else serve_argv
     packs = dict(m.split("=", 1) for m in ns.map)
-    cmd = make(argv[split + 1:], ns.bin, packs, ns.cache_mib)
+    if ns.mode == "fork":
+        cmd = fork_argv(argv[split + 1:], ns.bin, packs, ns.cache_mib)
+    else:
+        cmd = serve_argv(argv[split + 1:], ns.bin, packs, ns.cache_mib, frozenset(ns.keep))
     print(f"shim ({ns.mode}): {shlex.join(cmd)}", file=sys.stderr, flush=True)
     os.execv(cmd[0], cmd)
 
