@@ -209,7 +209,7 @@ def write_wrapper(path: Path, mode: str, bin_path: Path, models: dict[str, tuple
                   cache_mib: float, keep: list[str] = ()) -> Path:
     maps = [a for m, p in models.values() for a in ("--map", f"{m}={p}")]
     args = [sys.executable, str(HERE / "shim.py"), "--mode", mode, "--bin", str(bin_path), *maps,
-            "--cache-mib", f"{cache_mib:.3f}", *[a for f in keep for a in ("--keep", f)], "--"]
+            "--cache-mib", f"{cache_mib:.3f}", *[f"--keep={f}" for f in keep], "--"]
     path.write_text(f"#!/bin/sh\nexec {shlex.join(args)} \"$@\"\n")
     path.chmod(0o755)
     return path
@@ -259,6 +259,33 @@ def read_junit(path: Path) -> dict[str, str]:
     return out
 
 
+def refused_flags(log: Path) -> dict[str, int]:
+    """flag -> the number of failed tests whose server refused it at start (serve names a llama-server flag it does
+    not implement), from pytest's failure sections in the log."""
+    if not log.exists():
+        return {}
+    counts: dict[str, int] = {}
+    section_flags: set[str] = set()
+    in_failures = False
+    for line in log.read_text(errors="replace").splitlines():
+        if re.match(r"^=+ (FAILURES|ERRORS) =+$", line):
+            in_failures = True
+            continue
+        if re.match(r"^=+ .* =+$", line):
+            in_failures = False
+        if not in_failures:
+            continue
+        if re.match(r"^_+ [^_\s].* _+$", line):  # a test's section (one underscore each side when its id is long)
+            for f in section_flags:
+                counts[f] = counts.get(f, 0) + 1
+            section_flags = set()
+        elif m := re.search(r"error: (-[-\w]+) is a llama-server flag", line):
+            section_flags.add(m.group(1))
+    for f in section_flags:
+        counts[f] = counts.get(f, 0) + 1
+    return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
+
+
 def summarize(runs: dict[str, dict], files: list[str], excluded: dict[str, str], known: dict) -> dict:
     stock = runs.get("stock", {}).get("results", {})
     baseline = sorted(t for t, o in stock.items() if o == "passed")
@@ -283,6 +310,11 @@ def summarize(runs: dict[str, dict], files: list[str], excluded: dict[str, str],
     s["files"] = files
     s["excluded"] = excluded
     return s
+
+
+def refused_line(flags: dict[str, int]) -> str:
+    return ("Tests that fail because serve refuses a llama-server flag at start: "
+            + ", ".join(f"`{f}` {n}" for f, n in flags.items()) + ".")
 
 
 def table(runs: dict[str, dict], files: list[str], excluded: dict[str, str], s: dict) -> str:
@@ -446,10 +478,14 @@ def main(argv: list[str] | None = None) -> int:
 def report(run: dict, runs: dict, files: list[str], excluded: dict[str, str], known: dict, out: Path) -> int:
     """summary.json and table.md from the runs' results; prints the table. 1 when the fork misses a stock pass."""
     s = summarize(runs, files, excluded, known)
+    if "serve" in runs:
+        s["serve_refused_flags"] = refused_flags(out / "pytest-serve.log")
     s["run"] = run
     s["results"] = {t: r["results"] for t, r in runs.items()}
     (out / "summary.json").write_text(json.dumps(s, indent=1) + "\n")
     tab = table(runs, files, excluded, s)
+    if s.get("serve_refused_flags"):
+        tab += "\n" + refused_line(s["serve_refused_flags"]) + "\n"
     (out / "table.md").write_text(tab)
     print(tab)
     for t, v in s["per_target"].items():

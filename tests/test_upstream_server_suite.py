@@ -28,6 +28,11 @@ shim = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(shim)
 
 
+_spec = importlib.util.spec_from_file_location("ep_upstream_runner", SCRIPT)
+runner = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(runner)
+
+
 def known() -> dict:
     with open(SUITE / "known.toml", "rb") as f:
         return tomllib.load(f)
@@ -60,6 +65,25 @@ def test_serve_wrapper_translates(tmp_path, monkeypatch):
     monkeypatch.setenv("LLAMA_ARG_THREADS", "1")
     assert shim.serve_argv(["--model", model], "/x/expert-pack", {model: pack}, "1.5")[-2:] == ["--threads", "1"]
     assert shim.serve_argv(["--model", model, "-t", "2"], "/x/expert-pack", {model: pack}, "1.5")[-2:] == ["-t", "2"]
+
+
+def test_wrapper_runs_the_shim(tmp_path, monkeypatch):
+    """The wrapper the suite starts as llama-server: its baked-in arguments reach the shim (a kept flag such as
+    --parallel too), which execs the translated command (here echo, which prints it)."""
+    monkeypatch.delenv("LLAMA_ARG_THREADS", raising=False)
+    model, pack = tmp_path / "m.gguf", tmp_path / "m.pack"
+    w = runner.write_wrapper(tmp_path / "llama-server", "serve", Path("/bin/echo"), {"generation": (model, pack)},
+                             1.5, ["--parallel"])
+    r = subprocess.run([str(w), "--model", str(model), "--parallel", "2", "--no-jinja"], capture_output=True,
+                       text=True, check=True)
+    assert r.stdout.split() == ["serve", str(pack), "--cache-mib", "1.500", "--cache-reserve-mib", "0",
+                                "--parallel", "2"]
+
+
+def test_known_patterns_match_literally():
+    assert runner.matches("test_a.py::test_b[*]", "test_a.py::test_b[x-1]")
+    assert not runner.matches("test_a.py::test_b[*]", "test_a.py::test_b_other")
+    assert not runner.matches("test_a.py::test_b", "test_a.py::test_b[x]")
 
 
 def test_known_names_the_suites_files():
