@@ -215,6 +215,13 @@ def write_wrapper(path: Path, mode: str, bin_path: Path, models: dict[str, tuple
     return path
 
 
+def built(path: Path) -> str:
+    """When an executable and the shared libraries beside its package were last written (the build that ran)."""
+    files = [path.resolve(), *sorted((path.resolve().parent.parent.parent / "llama_cpp" / "lib").glob("*.so*"))]
+    newest = max(f.stat().st_mtime for f in files if f.exists())
+    return datetime.datetime.fromtimestamp(newest).astimezone().isoformat(timespec="seconds")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -248,7 +255,13 @@ def run_target(target: str, server_bin: Path, files: list[str], py: Path, models
 def read_junit(path: Path) -> dict[str, str]:
     """FILE::NAME[PARAMS] -> passed / failed / skipped."""
     out = {}
-    for tc in ET.parse(path).getroot().iter("testcase"):
+    if not path.exists() and path.with_name(path.name + ".gz").exists():
+        import gzip
+        with gzip.open(path.with_name(path.name + ".gz")) as f:
+            root = ET.parse(f).getroot()
+    else:
+        root = ET.parse(path).getroot()
+    for tc in root.iter("testcase"):
         cls, name = tc.get("classname", ""), tc.get("name", "")
         if cls:
             key = f"{cls.split('.')[-1]}.py::{name}"
@@ -259,14 +272,13 @@ def read_junit(path: Path) -> dict[str, str]:
     return out
 
 
-def refused_flags(log: Path) -> dict[str, int]:
-    """flag -> the number of failed tests whose server refused it at start (serve names a llama-server flag it does
-    not implement), from pytest's failure sections in the log."""
+def start_refusals(log: Path) -> dict[str, str]:
+    """Failed test (its section title in pytest's log: NAME[PARAMS], no file) -> why serve refused to start its
+    server: a llama-server flag serve does not implement (`--flag`), else serve's one-line error in quotes."""
     if not log.exists():
         return {}
-    counts: dict[str, int] = {}
-    section_flags: set[str] = set()
-    in_failures = False
+    out: dict[str, str] = {}
+    name, in_failures = None, False
     for line in log.read_text(errors="replace").splitlines():
         if re.match(r"^=+ (FAILURES|ERRORS) =+$", line):
             in_failures = True
@@ -275,14 +287,23 @@ def refused_flags(log: Path) -> dict[str, int]:
             in_failures = False
         if not in_failures:
             continue
-        if re.match(r"^_+ [^_\s].* _+$", line):  # a test's section (one underscore each side when its id is long)
-            for f in section_flags:
-                counts[f] = counts.get(f, 0) + 1
-            section_flags = set()
-        elif m := re.search(r"error: (-[-\w]+) is a llama-server flag", line):
-            section_flags.add(m.group(1))
-    for f in section_flags:
-        counts[f] = counts.get(f, 0) + 1
+        if m := re.match(r"^_+ ([^_\s].*) _+$", line):  # a test's section (one underscore each side if it is long)
+            name = m.group(1)
+        elif name and name not in out:
+            if m := re.search(r"expert-pack serve: error: (-[-\w]+) is a llama-server flag", line):
+                out[name] = f"`{m.group(1)}`"
+            elif m := re.search(r"expert-pack serve: error: (.*)", line):
+                out[name] = f'"{m.group(1).strip()[:100]}"'
+    return out
+
+
+def refusal_counts(refusals: dict[str, str], tests: list[str]) -> dict[str, int]:
+    """reason -> how many of `tests` (FILE::NAME[PARAMS]) serve refused to start for it."""
+    counts: dict[str, int] = {}
+    for t in tests:
+        why = refusals.get(t.split("::", 1)[1])
+        if why:
+            counts[why] = counts.get(why, 0) + 1
     return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
 
 
@@ -312,9 +333,10 @@ def summarize(runs: dict[str, dict], files: list[str], excluded: dict[str, str],
     return s
 
 
-def refused_line(flags: dict[str, int]) -> str:
-    return ("Tests that fail because serve refuses a llama-server flag at start: "
-            + ", ".join(f"`{f}` {n}" for f, n in flags.items()) + ".")
+def refused_line(counts: dict[str, int], n_missed: int) -> str:
+    return (f"Of the {n_missed} stock passes serve does not pass, {sum(counts.values())} fail because serve refuses to "
+            "start (a llama-server flag it does not implement, or its error): "
+            + "; ".join(f"{f} {n}" for f, n in counts.items()) + ".")
 
 
 def table(runs: dict[str, dict], files: list[str], excluded: dict[str, str], s: dict) -> str:
@@ -436,6 +458,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.summarize_only:
         run = json.loads((a.out / "run.json").read_text())
         runs = {t: {**v, "results": read_junit(a.out / f"junit-{t}.xml")} for t, v in run["targets"].items()}
+        # (read_junit also takes junit-TARGET.xml.gz, as docs/results keeps them)
         return report(run, runs, run["files"], excluded, known, a.out)
     a.work.mkdir(parents=True, exist_ok=True)
     started = datetime.datetime.now().astimezone()
@@ -446,12 +469,14 @@ def main(argv: list[str] | None = None) -> int:
     from expert_pack_devtools.lossless import cache_mib_for_slots
     from ggml_expert_pack.tools import tool_path
     cache_mib = cache_mib_for_slots(models["generation"][1], a.cache_slots)  # the same experts in both
-    bins = {}
+    bins, builds = {}, {}
     if "stock" in targets:
         bins["stock"] = ensure_stock(a.stock_bin, a.build_stock, log)
+        builds["stock"] = built(bins["stock"])
     if "fork" in targets:
         bins["fork"] = write_wrapper(a.work / "llama-server-fork", "fork", tool_path("llama-server"), models,
                                      cache_mib)
+        builds["fork"] = built(tool_path("llama-server"))
     if "serve" in targets:
         ep = Path(sys.executable).parent / "expert-pack"
         if not ep.exists():
@@ -467,7 +492,9 @@ def main(argv: list[str] | None = None) -> int:
         "models": {k: str(m) for k, (m, _) in models.items()}, "model": MODEL_DESCRIPTION,
         "cache": f"{a.cache_slots} of 16 experts per layer ({cache_mib:.3f} MiB)", "timeout_s": a.timeout,
         "threads": a.threads, "files": files,
-        "targets": {t: {"bin": r["bin"], "rc": r["rc"], "wall_s": r["wall_s"]} for t, r in runs.items()},
+        "targets": {t: {"bin": r["bin"], "rc": r["rc"], "wall_s": r["wall_s"], **({"built": builds[t]} if t in builds
+                                                                                   else {})}
+                    for t, r in runs.items()},
         "suite_packages": subprocess.run([str(py), "-m", "pip", "freeze"], capture_output=True,
                                          text=True).stdout.split(),
     }
@@ -479,13 +506,21 @@ def report(run: dict, runs: dict, files: list[str], excluded: dict[str, str], kn
     """summary.json and table.md from the runs' results; prints the table. 1 when the fork misses a stock pass."""
     s = summarize(runs, files, excluded, known)
     if "serve" in runs:
-        s["serve_refused_flags"] = refused_flags(out / "pytest-serve.log")
+        saved = out / "serve-start-refusals.json"  # kept beside the results: the log is too large to keep
+        if (out / "pytest-serve.log").exists():
+            refusals = start_refusals(out / "pytest-serve.log")
+            saved.write_text(json.dumps(refusals, indent=1) + "\n")
+        else:
+            refusals = json.loads(saved.read_text()) if saved.exists() else {}
+        missed = list(s["per_target"]["serve"]["baseline_not_passed"])
+        s["serve_start_refusals"] = refusal_counts(refusals, missed)
+        s["serve_missed_otherwise"] = [t for t in missed if t.split("::", 1)[1] not in refusals]
     s["run"] = run
     s["results"] = {t: r["results"] for t, r in runs.items()}
     (out / "summary.json").write_text(json.dumps(s, indent=1) + "\n")
     tab = table(runs, files, excluded, s)
-    if s.get("serve_refused_flags"):
-        tab += "\n" + refused_line(s["serve_refused_flags"]) + "\n"
+    if s.get("serve_start_refusals") and "stock" in runs:
+        tab += "\n" + refused_line(s["serve_start_refusals"], len(s["per_target"]["serve"]["baseline_not_passed"])) + "\n"
     (out / "table.md").write_text(tab)
     print(tab)
     for t, v in s["per_target"].items():

@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 import tomllib
@@ -96,6 +97,18 @@ def test_known_names_the_suites_files():
         assert pattern.split("::")[0] in files and pattern.split("::")[0] not in k["excluded"], pattern
         assert v["reason"].strip(), pattern
     assert isinstance(k["floor"]["serve"], int)
+
+
+def test_doc_quotes_the_recorded_run():
+    """docs/SERVER_COMPAT.md's table is the table.md of the results it names, and known.toml's floor is that run's
+    count for serve."""
+    doc = (ROOT / "docs" / "SERVER_COMPAT.md").read_text()
+    results = re.search(r"\(results/([^)]+)/\)", doc).group(1)
+    recorded = ROOT / "docs" / "results" / results
+    rows = lambda text: [ln for ln in text.splitlines() if ln.startswith("|")]  # noqa: E731
+    assert rows(doc)[-len(rows((recorded / "table.md").read_text())):] == rows((recorded / "table.md").read_text())
+    s = json.loads((recorded / "summary.json").read_text())
+    assert known()["floor"]["serve"] == s["per_target"]["serve"]["baseline_passed"]
 
 
 @pytest.mark.skipif(os.environ.get("EP_UPSTREAM_SUITE") != "1",
