@@ -93,7 +93,7 @@ def test_known_names_the_suites_files():
         assert (UNIT / f).exists(), f
         assert v["reason"].strip(), f
     files = {p.name for p in UNIT.glob("test_*.py")}
-    for pattern, v in k["random_weights"].items():
+    for pattern, v in k["cannot_pass"].items():
         assert pattern.split("::")[0] in files and pattern.split("::")[0] not in k["excluded"], pattern
         assert v["reason"].strip(), pattern
     assert isinstance(k["floor"]["serve"], int)
