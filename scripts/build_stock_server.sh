@@ -2,7 +2,7 @@
 # Build stock llama.cpp's llama-server (CPU, static) from the pristine vendored source (the sdist pinned in
 # vendor/upstream.lock.json, unpatched) into build/stock-server: the baseline that
 # devtools/expert_pack_devtools/upstream_suite.py runs llama.cpp's own server test suite against.
-# Shares build/archs-src with scripts/build_archs_tool.sh. ~20 min on 2 cores, once.
+# Shares build/archs-src with scripts/build_archs_tool.sh. Once: 55 minutes on the 2-core machine beside other builds.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 command -v cmake >/dev/null || python3 -m pip install -q 'cmake>=3.21'
