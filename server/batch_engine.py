@@ -270,16 +270,7 @@ class BatchEngine(Engine):
         if job.slot >= 0:
             self.jobs[job.slot] = None
         if job.t0 is not None:
-            with self._totals_lock:
-                tot = self.totals
-                tot.requests += 1
-                tot.prompt_tokens += t.prompt_n
-                tot.prompt_seconds += t.prompt_ms / 1e3
-                tot.predicted_tokens += t.predicted_n
-                tot.predicted_seconds += t.predicted_ms / 1e3
-                d = t.as_dict()
-                tot.last_prompt_per_second = d["prompt_per_second"]
-                tot.last_predicted_per_second = d["predicted_per_second"]
+            self._count(t)
         with job.cv:
             r.text = "".join(job.all)
             job.error = error

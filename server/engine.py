@@ -324,16 +324,20 @@ class Engine:
             t.prompt_ms = 1e3 * ((t_first if t_first is not None else t1) - t0)
             t.predicted_n = len(completion)
             t.predicted_ms = 1e3 * (t1 - t_first) if t_first is not None else 0.0
-            with self._totals_lock:
-                tot = self.totals
-                tot.requests += 1
-                tot.prompt_tokens += t.prompt_n
-                tot.prompt_seconds += t.prompt_ms / 1e3
-                tot.predicted_tokens += t.predicted_n
-                tot.predicted_seconds += t.predicted_ms / 1e3
-                d = t.as_dict()
-                tot.last_prompt_per_second = d["prompt_per_second"]
-                tot.last_predicted_per_second = d["predicted_per_second"]
+            self._count(t)
+
+    def _count(self, t: Timings) -> None:
+        """Add a finished generation's timings to the totals /metrics reports."""
+        with self._totals_lock:
+            tot = self.totals
+            tot.requests += 1
+            tot.prompt_tokens += t.prompt_n
+            tot.prompt_seconds += t.prompt_ms / 1e3
+            tot.predicted_tokens += t.predicted_n
+            tot.predicted_seconds += t.predicted_ms / 1e3
+            d = t.as_dict()
+            tot.last_prompt_per_second = d["prompt_per_second"]
+            tot.last_predicted_per_second = d["predicted_per_second"]
 
     def _prime(self, prompt: list[int]) -> int:
         """Evaluate all of the prompt but its last token, reusing the longest cached prefix; returns how many
